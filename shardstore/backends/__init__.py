@@ -1,0 +1,36 @@
+"""Choose a storage backend for a path or URL.
+
+Local paths and ``file://`` URLs get the POSIX backend (pwrite/fsync/rename); ``s3://`` gets the
+S3 backend; every other fsspec protocol (``memory://``, ``gcs://``...) the generic fsspec one.
+URLs are resolved with ``fsspec.core.url_to_fs``, never parsed by hand.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from shardstore.backends.base import Backend, FileWriter, check_relpath
+
+__all__ = ["Backend", "FileWriter", "check_relpath", "open_backend"]
+
+
+def open_backend(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Backend:
+    """Return the backend for ``path`` (a plain path or an fsspec URL)."""
+    url = os.fspath(path)
+    if "://" not in url or url.startswith("file://"):
+        from shardstore.backends.posix import PosixBackend
+
+        local = url[len("file://"):] if url.startswith("file://") else url
+        return PosixBackend(local)
+    import fsspec.core
+
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if "s3" in protocols or "s3a" in protocols:
+        from shardstore.backends.s3 import S3Backend
+
+        return S3Backend(url, storage_options=storage_options)
+    from shardstore.backends.fsspec import FsspecBackend
+
+    return FsspecBackend(fs, root, url=url)

@@ -1,0 +1,83 @@
+"""Tunables and their defaults, in one place.
+
+Each option of :class:`~shardstore.ShardWriter` / :class:`~shardstore.ShardReader` that is not a
+path is a field here, so defaults are documented once and validated once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+MiB = 1 << 20
+
+#: Name of the index object inside a checkpoint. Its atomic publish is the commit.
+INDEX_NAME = "index.shardstore"
+
+
+def _default_threads() -> int:
+    return max(2, min(8, os.cpu_count() or 2))
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """How a rank writes its shards.
+
+    Attributes:
+        threads: parallel writer threads per rank; each writes its own data file, so
+            ``threads`` is also the number of files per rank.
+        frame_size: raw bytes per frame. A frame is the unit of checksum, compression and
+            random access: a partial (resharded) load reads and decodes whole frames only.
+        compression: ``None`` or ``"zstd"``.
+        level: zstd level (1 is fast and already gets most of the gain on float weights).
+        min_saving: a frame is stored compressed only if it shrinks by at least this share.
+        overwrite: replace a committed checkpoint at the same path (atomically, index last)
+            instead of refusing with ``CheckpointExistsError``.
+        sync: fsync data files, directories and the index (durable saves). Off only for tests
+            and scratch space.
+    """
+
+    threads: int = 0
+    frame_size: int = 4 * MiB
+    compression: str | None = None
+    level: int = 1
+    min_saving: float = 0.03
+    overwrite: bool = False
+    sync: bool = True
+
+    def __post_init__(self) -> None:
+        if self.threads == 0:
+            object.__setattr__(self, "threads", _default_threads())
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not (4096 <= self.frame_size <= 1 << 30) or self.frame_size % 8:
+            raise ValueError(f"frame_size must be a multiple of 8 in [4 KiB, 1 GiB], got {self.frame_size}")
+        if self.compression not in (None, "zstd"):
+            raise ValueError(f"compression must be None or 'zstd', got {self.compression!r}")
+        if not 1 <= self.level <= 22:
+            raise ValueError(f"level must be in 1..22, got {self.level}")
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How a rank reads its shards.
+
+    Attributes:
+        threads: parallel reader threads per rank.
+        max_range: merged byte ranges are cut at item boundaries once they reach this size, so
+            a load holds at most ``threads * max_range`` bytes (plus one oversized item) beyond
+            the target tensors.
+        verify: check every frame's checksum (on by default; off only for benchmarks).
+    """
+
+    threads: int = 0
+    max_range: int = 64 * MiB
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        if self.threads == 0:
+            object.__setattr__(self, "threads", _default_threads())
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.max_range < 1:
+            raise ValueError(f"max_range must be positive, got {self.max_range}")

@@ -1,0 +1,54 @@
+"""The exception types shardstore raises. Every one derives from :class:`ShardstoreError`."""
+
+from __future__ import annotations
+
+
+class ShardstoreError(Exception):
+    """Base class of every error raised by shardstore."""
+
+
+class CheckpointNotFoundError(ShardstoreError, FileNotFoundError):
+    """The path does not exist, or holds no committed checkpoint (no index)."""
+
+
+class CheckpointExistsError(ShardstoreError, FileExistsError):
+    """A save targeted a path that already holds a committed checkpoint."""
+
+
+class InvalidCheckpointError(ShardstoreError, ValueError):
+    """The index is malformed: wrong format, unknown version, bad types or paths."""
+
+
+class CorruptCheckpointError(ShardstoreError):
+    """Stored bytes do not match their checksum, or a data file is short or undecodable."""
+
+
+class TruncatedFileError(CorruptCheckpointError):
+    """A data file is shorter than the index says."""
+
+
+class UnsupportedValueError(ShardstoreError, TypeError):
+    """A non-tensor value cannot be stored without pickle."""
+
+
+class StateMismatchError(ShardstoreError, KeyError):
+    """The state to load into does not match the checkpoint (missing keys, shapes)."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class StorageError(ShardstoreError, OSError):
+    """The storage backend failed (permission, network, missing bucket...)."""
+
+
+class BucketNotFoundError(StorageError):
+    """The bucket named in an object-store URL does not exist (or is not visible at the endpoint)."""
+
+
+class StorageAccessDeniedError(StorageError, PermissionError):
+    """The store refused the credentials or denied the request (missing, wrong or expired keys)."""
+
+
+class StorageUnreachableError(StorageError, ConnectionError):
+    """The storage endpoint cannot be reached (wrong endpoint URL, no network, service down)."""

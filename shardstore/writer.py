@@ -1,0 +1,281 @@
+"""ShardWriter: DCP ``StorageWriter`` that writes each rank's shards in parallel, index last.
+
+DCP calls a storage writer in this order (``torch.distributed.checkpoint.save``)::
+
+    reset(checkpoint_id)                      all ranks, when a checkpoint_id is given
+    set_up_storage_writer(is_coordinator)     all ranks
+    prepare_local_plan(plan)                  all ranks
+    prepare_global_plan(plans)                coordinator: names each rank's data files
+    write_data(plan, planner)                 all ranks: resolve -> bytes -> frames -> files
+    finish(metadata, results)                 coordinator: build the index, publish it (commit)
+
+Each rank writes ``threads`` data files at once, one thread per file, items balanced by size.
+Data files are named after a per-save id, so a save into a path that already holds a checkpoint
+never touches the files the old index points at; the old index stays valid until the new one
+replaces it in one atomic publish (``overwrite=True``), or the save is refused up front.
+A rank that fails aborts its open files; DCP then fails the save on every rank and ``finish``
+never runs, so no index is published.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.futures import Future
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from shardstore.backends import Backend, open_backend
+from shardstore.codec import Codec, choose_codec, encode_frame
+from shardstore.config import INDEX_NAME, WriteOptions
+from shardstore.errors import CheckpointExistsError
+from shardstore.index import StoredChunk, StoredValue, build_index, encode_index
+from shardstore.values import value_from_dcp_bytes
+
+logger = logging.getLogger(__name__)
+
+#: Records start at multiples of this many bytes, so raw frames can be viewed in place.
+RECORD_ALIGN = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankFiles:
+    """``SavePlan.storage_data`` set by the coordinator: the prefix of a rank's file names."""
+
+    prefix: str
+
+
+def _balance(items: list[WriteItem], nbuckets: int) -> list[list[WriteItem]]:
+    """Split items into ``nbuckets`` lists of similar byte size (largest first, greedy)."""
+
+    def nbytes(item: WriteItem) -> int:
+        td = item.tensor_data
+        if td is None:
+            return 0
+        return int(np.prod(td.chunk.sizes)) * torch.empty((), dtype=td.properties.dtype).element_size()
+
+    buckets: list[list[WriteItem]] = [[] for _ in range(nbuckets)]
+    load = [0] * nbuckets
+    for item in sorted(items, key=nbytes, reverse=True):
+        i = load.index(min(load))
+        buckets[i].append(item)
+        load[i] += nbytes(item)
+    return [b for b in buckets if b]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
+    """Contiguous CPU copy (if needed) of ``tensor`` and a byte view of it.
+
+    Returns the tensor too: the memoryview borrows its memory, so the caller keeps it alive.
+    """
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous()
+    if t.numel() == 0:
+        return t, memoryview(b"")
+    return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+class ShardWriter(StorageWriter):
+    """Write a distributed checkpoint to a local path, NFS, S3 or any fsspec URL.
+
+    Args:
+        path: checkpoint directory or URL (``/data/ckpt``, ``file://...``, ``s3://b/run/step-100``,
+            ``memory://...``).
+        storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
+        **options: fields of :class:`shardstore.config.WriteOptions` (``threads``,
+            ``frame_size``, ``compression``, ``level``, ``overwrite``, ``sync``...).
+
+    Example:
+        >>> dcp.save(state_dict, storage_writer=ShardWriter("/ckpt/step-100"))
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        user_metadata: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.options = WriteOptions(**options)
+        self.storage_options = storage_options
+        self.user_metadata = dict(user_metadata or {})
+        self.path = os.fspath(path)
+        self._backend: Backend | None = None
+        self.is_coordinator = False
+        self.rank = 0
+        self._save_id = ""
+        self.bytes_written = 0
+        self._t0 = 0.0
+
+    # -- DCP protocol ---------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+            self._backend = None
+        self._save_id = ""
+        self.bytes_written = 0
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            self._backend = self._make_backend()
+        return self._backend
+
+    def _make_backend(self) -> Backend:
+        backend = open_backend(self.path, self.storage_options)
+        if hasattr(backend, "sync"):
+            backend.sync = self.options.sync  # type: ignore[attr-defined]
+        return backend
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0) or 0)
+        if not kwargs.get("rank") and torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.rank = torch.distributed.get_rank()
+        self._t0 = time.perf_counter()
+        if is_coordinator and not self.options.overwrite and self.backend.exists(INDEX_NAME):
+            raise CheckpointExistsError(
+                f"{self.backend.url} already holds a committed checkpoint; "
+                "pass overwrite=True to replace it atomically, or save to a new path"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        save_id = uuid.uuid4().hex[:12]
+        return [
+            dataclasses.replace(plan, storage_data=_RankFiles(prefix=f"data-{save_id}-r{rank:05d}"))
+            for rank, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = plan.storage_data.prefix
+        results: list[WriteResult] = []
+        tensors = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                data = value_from_dcp_bytes(planner.resolve_data(item), item.index.fqn)
+                results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=StoredValue(data)))
+            else:
+                tensors.append(item)
+        buckets = _balance(tensors, self.options.threads)
+        backend = self.backend
+        encode_pool = ThreadPoolExecutor(self.options.threads, "shardstore-encode") if self.options.compression else None
+        try:
+            with ThreadPoolExecutor(max(1, len(buckets)), "shardstore-write") as file_pool:
+                files = [
+                    file_pool.submit(self._write_file, backend, f"{prefix}-{i:02d}.bin", items, planner, encode_pool)
+                    for i, items in enumerate(buckets)
+                ]
+                errors = []
+                for f in files:
+                    try:
+                        results.extend(f.result())
+                    except Exception as e:  # wait for every file, then raise the first failure
+                        errors.append(e)
+                if errors:
+                    raise errors[0]
+        finally:
+            if encode_pool is not None:
+                encode_pool.shutdown()
+        self.bytes_written = sum(r.size_in_bytes for r in results)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        index = build_index(metadata, results, frame_size=self.options.frame_size, user=self.user_metadata)
+        data = encode_index(index)
+        backend = self.backend
+        backend.publish(INDEX_NAME, data, overwrite=self.options.overwrite)
+        if self.options.overwrite:  # drop data files of the checkpoint this one replaced
+            keep = {f.path for f in index.files if f.base is None} | {INDEX_NAME}
+            stale = [p for p in backend.list() if p not in keep and p.startswith("data-")]
+            backend.delete(stale)
+        seconds = time.perf_counter() - self._t0
+        stored = index.stored_nbytes()
+        logger.info(
+            "saved %s: %d tensors, %.1f MB stored (%.1f MB raw), %.2f s, %.2f GB/s",
+            backend.url, len(index.tensors), stored / 1e6, index.raw_nbytes() / 1e6, seconds,
+            stored / max(seconds, 1e-9) / 1e9,
+        )
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+    # -- one data file --------------------------------------------------------------------
+
+    def _write_file(
+        self,
+        backend: Backend,
+        path: str,
+        items: list[WriteItem],
+        planner: SavePlanner,
+        encode_pool: ThreadPoolExecutor | None,
+    ) -> list[WriteResult]:
+        opts = self.options
+        results = []
+        pos = 0
+        with backend.open_writer(path) as out:
+            for item in items:
+                if pos % RECORD_ALIGN:
+                    pad = RECORD_ALIGN - pos % RECORD_ALIGN
+                    out.write(bytes(pad))
+                    pos += pad
+                tensor, raw = tensor_bytes(planner.resolve_data(item))
+                codec = choose_codec(opts.compression, tensor.is_floating_point(), tensor.element_size())
+                frames = [raw[i : i + opts.frame_size] for i in range(0, raw.nbytes, opts.frame_size)]
+                lens, codecs, hashes = [], bytearray(), []
+                start = pos
+                for stored, used, digest in self._encode(frames, codec, encode_pool):
+                    out.write(stored)
+                    pos += len(stored)
+                    lens.append(len(stored))
+                    codecs.append(used)
+                    hashes.append(digest)
+                chunk = StoredChunk(
+                    file=path,
+                    pos=start,
+                    sizes=tuple(item.tensor_data.chunk.sizes),
+                    lens=np.array(lens, dtype="<i8").tobytes(),
+                    codecs=bytes(codecs),
+                    hashes=b"".join(hashes),
+                )
+                results.append(WriteResult(index=item.index, size_in_bytes=pos - start, storage_data=chunk))
+                del tensor, raw, frames
+        return results
+
+    def _encode(self, frames: list[memoryview], codec: Codec, pool: ThreadPoolExecutor | None):
+        """Encode frames in order; with a pool, several at once but at most 2x threads ahead."""
+        opts = self.options
+        if pool is None:
+            for f in frames:
+                yield encode_frame(f, codec, level=opts.level, min_saving=opts.min_saving)
+            return
+        window: collections.deque = collections.deque()
+        for f in frames:
+            window.append(pool.submit(encode_frame, f, codec, level=opts.level, min_saving=opts.min_saving))
+            if len(window) >= 2 * opts.threads:
+                yield window.popleft().result()
+        while window:
+            yield window.popleft().result()
