@@ -18,6 +18,7 @@ from shardstore.errors import (
     StorageError,
     TruncatedFileError,
     UnsupportedValueError,
+    unwrap_error,
 )
 from shardstore.reader import ShardReader
 from shardstore.writer import ShardWriter
@@ -34,5 +35,6 @@ __all__ = [
     "UnsupportedValueError",
     "StateMismatchError",
     "StorageError",
+    "unwrap_error",
 ]
 __version__ = "0.1.0"

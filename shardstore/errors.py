@@ -52,3 +52,26 @@ class StorageAccessDeniedError(StorageError, PermissionError):
 
 class StorageUnreachableError(StorageError, ConnectionError):
     """The storage endpoint cannot be reached (wrong endpoint URL, no network, service down)."""
+
+
+def unwrap_error(exc: BaseException) -> BaseException:
+    """The original error behind DCP's ``CheckpointException``, or ``exc`` itself.
+
+    DCP collects the exception of every failed rank into one ``CheckpointException`` (a
+    ``BaseException``) raised on all ranks. This returns the first rank's original exception
+    (e.g. a :class:`CorruptCheckpointError`), so callers can handle shardstore errors by type::
+
+        try:
+            dcp.load(state, storage_reader=ShardReader(path))
+        except BaseException as e:
+            if isinstance(unwrap_error(e), CorruptCheckpointError):
+                ...
+            raise
+    """
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        inner = first[0] if isinstance(first, tuple) else first
+        if isinstance(inner, BaseException):
+            return inner
+    return exc

@@ -38,8 +38,9 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from shardstore.backends import Backend, open_backend
 from shardstore.codec import Codec, choose_codec, encode_frame
 from shardstore.config import INDEX_NAME, WriteOptions
-from shardstore.errors import CheckpointExistsError
+from shardstore.errors import CheckpointExistsError, UnsupportedValueError
 from shardstore.index import StoredChunk, StoredValue, build_index, encode_index
+from shardstore.staging import AsyncStagerMixin
 from shardstore.values import value_from_dcp_bytes
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,14 @@ def _balance(items: list[WriteItem], nbuckets: int) -> list[list[WriteItem]]:
     return [b for b in buckets if b]
 
 
+def _resolve_value(planner: SavePlanner, item: WriteItem):
+    """The planner's ``torch.save`` bytes of a non-tensor value, with the key named on failure."""
+    try:
+        return planner.resolve_data(item)
+    except (TypeError, AttributeError, RuntimeError, ValueError) as e:  # pickling failed in torch.save
+        raise UnsupportedValueError(f"cannot store the value of {item.index.fqn!r} without pickle: {e}") from e
+
+
 def tensor_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     """Contiguous CPU copy (if needed) of ``tensor`` and a byte view of it.
 
@@ -87,7 +96,7 @@ def tensor_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-class ShardWriter(StorageWriter):
+class ShardWriter(StorageWriter, AsyncStagerMixin):
     """Write a distributed checkpoint to a local path, NFS, S3 or any fsspec URL.
 
     Args:
@@ -99,6 +108,9 @@ class ShardWriter(StorageWriter):
 
     Example:
         >>> dcp.save(state_dict, storage_writer=ShardWriter("/ckpt/step-100"))
+
+    It is also DCP's ``AsyncStager``: ``dcp.async_save(sd, storage_writer=ShardWriter(p))``
+    stages into reused host buffers (:mod:`shardstore.staging`).
     """
 
     def __init__(
@@ -170,7 +182,7 @@ class ShardWriter(StorageWriter):
         tensors = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
-                data = value_from_dcp_bytes(planner.resolve_data(item), item.index.fqn)
+                data = value_from_dcp_bytes(_resolve_value(planner, item), item.index.fqn)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=StoredValue(data)))
             else:
                 tensors.append(item)
