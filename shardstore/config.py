@@ -35,6 +35,9 @@ class WriteOptions:
             instead of refusing with ``CheckpointExistsError``.
         sync: fsync data files, directories and the index (durable saves). Off only for tests
             and scratch space.
+        incremental_base: name of a sibling checkpoint (same parent directory or prefix, e.g.
+            ``"step-000000000010"``). Chunks whose dtype, shape, offsets and frame checksums equal
+            the base's are not written again: the index references the file that holds them.
     """
 
     threads: int = 0
@@ -44,12 +47,17 @@ class WriteOptions:
     min_saving: float = 0.03
     overwrite: bool = False
     sync: bool = True
+    incremental_base: str | None = None
 
     def __post_init__(self) -> None:
         if self.threads == 0:
             object.__setattr__(self, "threads", _default_threads())
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.incremental_base is not None and (
+            not self.incremental_base or "/" in self.incremental_base or self.incremental_base in (".", "..")
+        ):
+            raise ValueError(f"incremental_base must be a sibling checkpoint's name, got {self.incremental_base!r}")
         if not (4096 <= self.frame_size <= 1 << 30) or self.frame_size % 8:
             raise ValueError(f"frame_size must be a multiple of 8 in [4 KiB, 1 GiB], got {self.frame_size}")
         if self.compression not in (None, "zstd"):

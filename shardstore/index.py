@@ -51,6 +51,7 @@ class StoredChunk:
     lens: bytes
     codecs: bytes
     hashes: bytes
+    base: str | None = None  # sibling checkpoint holding ``file`` (incremental reference)
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ def build_index(
     results: list[list[WriteResult]],
     *,
     frame_size: int,
-    files: dict[str, FileEntry] | None = None,
+    files: dict[tuple[str | None, str], FileEntry] | None = None,
     user: dict[str, Any] | None = None,
 ) -> Index:
     """Assemble the index from every rank's write results.
@@ -177,13 +178,13 @@ def build_index(
         metadata: the global ``Metadata`` from DCP's planner (dtypes, global shapes).
         results: ``results[rank]`` is that rank's list of ``WriteResult``.
         frame_size: the raw frame size the ranks wrote with.
-        files: entries of files that live in other checkpoints (incremental references),
-            keyed by the path the chunks name.
+        files: entries of files that live in sibling checkpoints (incremental references),
+            keyed by ``(base, path)`` as the chunks name them.
         user: free-form msgpack-able metadata (the manager's step, say).
     """
-    file_ids: dict[str, int] = {}
+    file_ids: dict[tuple[str | None, str], int] = {}
     file_list: list[FileEntry] = []
-    sizes_per_file: dict[str, int] = {}
+    sizes_per_file: dict[tuple[str | None, str], int] = {}
     external = files or {}
     per_tensor: dict[str, list[tuple[tuple[int, ...], StoredChunk]]] = {}
     values: dict[str, bytes] = {}
@@ -196,15 +197,17 @@ def build_index(
             if not isinstance(sd, StoredChunk):
                 raise InvalidCheckpointError(f"unexpected write result for {wr.index.fqn}: {type(sd).__name__}")
             per_tensor.setdefault(wr.index.fqn, []).append((tuple(wr.index.offset or ()), sd))
-            end = sd.pos + sum(np.frombuffer(sd.lens, dtype="<i8").tolist())
-            if sizes_per_file.get(sd.file, 0) < end:
-                sizes_per_file[sd.file] = end
+            key = (sd.base, sd.file)
+            end = sd.pos + int(np.frombuffer(sd.lens, dtype="<i8").sum())
+            if sizes_per_file.get(key, 0) < end:
+                sizes_per_file[key] = end
 
-    def file_id(path: str) -> int:
-        fid = file_ids.get(path)
+    def file_id(sd: StoredChunk) -> int:
+        key = (sd.base, sd.file)
+        fid = file_ids.get(key)
         if fid is None:
-            fid = file_ids[path] = len(file_list)
-            entry = external.get(path) or FileEntry(path=path, size=sizes_per_file[path])
+            fid = file_ids[key] = len(file_list)
+            entry = external.get(key) or FileEntry(path=sd.file, size=sizes_per_file[key], base=sd.base)
             file_list.append(entry)
         return fid
 
@@ -223,7 +226,7 @@ def build_index(
             shape=tuple(smd.size),
             offsets=np.array([o for o, _ in chunks], dtype=np.int64).reshape(n, ndim),
             sizes=np.array([sd.sizes for _, sd in chunks], dtype=np.int64).reshape(n, ndim),
-            file=np.fromiter((file_id(sd.file) for _, sd in chunks), dtype=np.int32, count=n),
+            file=np.fromiter((file_id(sd) for _, sd in chunks), dtype=np.int32, count=n),
             pos=np.fromiter((sd.pos for _, sd in chunks), dtype=np.int64, count=n),
             frame_start=frame_start,
             frame_len=np.frombuffer(b"".join(sd.lens for _, sd in chunks), dtype="<i8").astype(np.int64),

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 from torch.distributed.checkpoint.storage import StorageReader
 
-from shardstore.backends import Backend, open_backend
+from shardstore.backends import Backend, open_backend, sibling_url
 from shardstore.codec import Codec, decode_frame, frame_hash
 from shardstore.config import INDEX_NAME, ReadOptions
 from shardstore.errors import (
@@ -46,7 +46,7 @@ from shardstore.errors import (
     StateMismatchError,
     TruncatedFileError,
 )
-from shardstore.index import Index, TensorEntry, decode_index
+from shardstore.index import FileEntry, Index, TensorEntry, decode_index
 from shardstore.values import value_to_dcp_bytes
 
 logger = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ class ShardReader(StorageReader):
         self.index = load_index(self.backend)
         self._metadata: Metadata | None = None
         self._frame_pos: dict[str, np.ndarray] = {}
+        self._siblings: dict[str, Backend] = {}
 
     # -- DCP protocol ---------------------------------------------------------------------
 
@@ -248,34 +249,37 @@ class ShardReader(StorageReader):
 
     # -- reading one merged range ---------------------------------------------------------
 
-    def _file(self, file_id: int) -> tuple[Backend, str]:
-        entry = self.index.files[file_id]
-        if entry.base is not None:
-            raise CorruptCheckpointError(
-                f"{self.backend.url} references data in checkpoint {entry.base!r}; open it through CheckpointManager"
-            )
-        return self.backend, entry.path
+    def open_file(self, entry: FileEntry) -> tuple[Backend, str]:
+        """The backend and path holding a data file, following incremental references."""
+        if entry.base is None:
+            return self.backend, entry.path
+        backend = self._siblings.get(entry.base)
+        if backend is None:
+            backend = self._siblings[entry.base] = open_backend(sibling_url(self.path, entry.base), self.storage_options)
+        return backend, entry.path
 
     def _read_range(self, file_id: int, group: list[_Need], planner: LoadPlanner, lock: threading.Lock) -> None:
-        backend, path = self._file(file_id)
+        entry = self.index.files[file_id]
+        backend, path = self.open_file(entry)
+        shown = path if entry.base is None else f"../{entry.base}/{path}"  # for messages
         start = group[0].start
         end = max(n.end for n in group)
         try:
             (buf,) = backend.read_ranges(path, [(start, end - start)])
         except FileNotFoundError:
             raise CorruptCheckpointError(
-                f"data file {path} of checkpoint {self.backend.url} is missing (needed for {group[0].fqn!r})"
+                f"data file {shown} of checkpoint {self.backend.url} is missing (needed for {group[0].fqn!r})"
             ) from None
         except TruncatedFileError as e:
             raise TruncatedFileError(
-                f"data file {path} of checkpoint {self.backend.url} is truncated (needed for {group[0].fqn!r}): {e}"
+                f"data file {shown} of checkpoint {self.backend.url} is truncated (needed for {group[0].fqn!r}): {e}"
             ) from None
         buf = memoryview(buf)
         with lock:
             self.bytes_read += buf.nbytes
         decoded: dict[tuple[str, int], memoryview | bytes] = {}
         for need in group:
-            src = self._source(need, buf, start, path, decoded)
+            src = self._source(need, buf, start, shown, decoded)
             with lock:
                 target = planner.resolve_tensor(need.item).detach()
             if tuple(target.shape) != tuple(need.item.lengths):

@@ -35,11 +35,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.futures import Future
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from shardstore.backends import Backend, open_backend
-from shardstore.codec import Codec, choose_codec, encode_frame
+from shardstore.backends import Backend, open_backend, sibling_url
+from shardstore.codec import Codec, choose_codec, encode_frame, frame_hash
 from shardstore.config import INDEX_NAME, WriteOptions
-from shardstore.errors import CheckpointExistsError, UnsupportedValueError
-from shardstore.index import StoredChunk, StoredValue, build_index, encode_index
+from shardstore.errors import CheckpointExistsError, InvalidCheckpointError, UnsupportedValueError
+from shardstore.index import FileEntry, Index, StoredChunk, StoredValue, build_index, encode_index
 from shardstore.staging import AsyncStagerMixin
 from shardstore.values import value_from_dcp_bytes
 
@@ -132,6 +132,7 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
         self._save_id = ""
         self.bytes_written = 0
         self._t0 = 0.0
+        self._base: Index | None = None
 
     # -- DCP protocol ---------------------------------------------------------------------
 
@@ -165,6 +166,18 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
                 f"{self.backend.url} already holds a committed checkpoint; "
                 "pass overwrite=True to replace it atomically, or save to a new path"
             )
+        self._base = None
+        if self.options.incremental_base is not None:
+            from shardstore.reader import load_index
+
+            base = load_index(open_backend(sibling_url(self.path, self.options.incremental_base), self.storage_options))
+            if base.frame_size == self.options.frame_size:
+                self._base = base
+            else:
+                logger.warning(
+                    "incremental base %s has frame_size %d, this save %d: writing every chunk",
+                    self.options.incremental_base, base.frame_size, self.options.frame_size,
+                )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -212,7 +225,9 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        index = build_index(metadata, results, frame_size=self.options.frame_size, user=self.user_metadata)
+        index = build_index(
+            metadata, results, frame_size=self.options.frame_size, files=self._base_files(), user=self.user_metadata
+        )
         data = encode_index(index)
         backend = self.backend
         backend.publish(INDEX_NAME, data, overwrite=self.options.overwrite)
@@ -226,6 +241,42 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
             "saved %s: %d tensors, %.1f MB stored (%.1f MB raw), %.2f s, %.2f GB/s",
             backend.url, len(index.tensors), stored / 1e6, index.raw_nbytes() / 1e6, seconds,
             stored / max(seconds, 1e-9) / 1e9,
+        )
+
+    def _base_files(self) -> dict[tuple[str | None, str], FileEntry]:
+        """File entries of the incremental base, as references from this checkpoint."""
+        if self._base is None:
+            return {}
+        out = {}
+        for f in self._base.files:
+            holder = f.base or self.options.incremental_base
+            out[(holder, f.path)] = FileEntry(path=f.path, size=f.size, base=holder)
+        return out
+
+    def _reuse(self, item: WriteItem, tensor: torch.Tensor, frames: list[memoryview]) -> StoredChunk | None:
+        """The base's record of this chunk if its bytes are unchanged, else None."""
+        t = self._base.tensors.get(item.index.fqn) if self._base is not None else None
+        if t is None or t.dtype != tensor.dtype or t.shape != tuple(item.tensor_data.size):
+            return None
+        try:
+            c = t.chunk_id(item.index.offset or ())
+        except InvalidCheckpointError:
+            return None
+        lo, hi = int(t.frame_start[c]), int(t.frame_start[c + 1])
+        if tuple(t.sizes[c].tolist()) != tuple(item.tensor_data.chunk.sizes) or hi - lo != len(frames):
+            return None
+        hashes = t.frame_hash[lo:hi].tobytes()
+        if b"".join(frame_hash(f) for f in frames) != hashes:
+            return None
+        entry = self._base.files[int(t.file[c])]
+        return StoredChunk(
+            file=entry.path,
+            base=entry.base or self.options.incremental_base,
+            pos=int(t.pos[c]),
+            sizes=tuple(item.tensor_data.chunk.sizes),
+            lens=t.frame_len[lo:hi].astype("<i8").tobytes(),
+            codecs=t.frame_codec[lo:hi].tobytes(),
+            hashes=hashes,
         )
 
     def storage_meta(self) -> StorageMeta | None:
@@ -257,6 +308,10 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
                 tensor, raw = tensor_bytes(planner.resolve_data(item))
                 codec = choose_codec(opts.compression, tensor.is_floating_point(), tensor.element_size())
                 frames = [raw[i : i + opts.frame_size] for i in range(0, raw.nbytes, opts.frame_size)]
+                reused = self._reuse(item, tensor, frames) if self._base is not None else None
+                if reused is not None:  # unchanged since the base: reference, don't rewrite
+                    results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=reused))
+                    continue
                 lens, codecs, hashes = [], bytearray(), []
                 start = pos
                 for stored, used, digest in self._encode(frames, codec, encode_pool):

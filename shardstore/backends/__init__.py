@@ -12,7 +12,23 @@ from typing import Any
 
 from shardstore.backends.base import Backend, FileWriter, check_relpath
 
-__all__ = ["Backend", "FileWriter", "check_relpath", "open_backend"]
+__all__ = ["Backend", "FileWriter", "check_relpath", "open_backend", "sibling_url"]
+
+
+def sibling_url(path: str | os.PathLike, name: str) -> str:
+    """The path or URL of ``name`` next to ``path`` (same parent directory or prefix).
+
+    Incremental checkpoints reference files of a sibling checkpoint by its name; this is the
+    one place that turns such a name into a location.
+    """
+    check_relpath(name)
+    if "/" in name:
+        raise ValueError(f"a sibling checkpoint's name has no '/': {name!r}")
+    url = os.fspath(path).rstrip("/")
+    if "://" in url and not url.startswith("file://"):
+        return f"{url.rpartition('/')[0]}/{name}"
+    local = url[len("file://"):] if url.startswith("file://") else url
+    return os.path.join(os.path.dirname(os.path.abspath(local)), name)
 
 
 def open_backend(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Backend:
