@@ -116,17 +116,17 @@ class ShardReader(StorageReader):
     """
 
     def __init__(
-        self, path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None, **options: Any
+        self, path: str | os.PathLike | Backend, *, storage_options: dict[str, Any] | None = None, **options: Any
     ) -> None:
         super().__init__()
         self.options = ReadOptions(**options)
         self.storage_options = storage_options
         self.bytes_read = 0
-        self._open(os.fspath(path))
+        self._open(path)
 
-    def _open(self, path: str) -> None:
-        self.path = path
+    def _open(self, path: str | os.PathLike | Backend) -> None:
         self.backend = open_backend(path, self.storage_options)
+        self.path = self.backend.url if isinstance(path, Backend) else os.fspath(path)
         self.index = load_index(self.backend)
         self._metadata: Metadata | None = None
         self._frame_pos: dict[str, np.ndarray] = {}

@@ -36,6 +36,7 @@ from torch.futures import Future
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from shardstore.backends import Backend, open_backend, sibling_url
+from shardstore.backends.posix import PosixBackend
 from shardstore.codec import Codec, choose_codec, encode_frame, frame_hash
 from shardstore.config import INDEX_NAME, WriteOptions
 from shardstore.errors import CheckpointExistsError, InvalidCheckpointError, UnsupportedValueError
@@ -115,7 +116,7 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike | Backend,
         *,
         storage_options: dict[str, Any] | None = None,
         user_metadata: dict[str, Any] | None = None,
@@ -125,8 +126,8 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
         self.options = WriteOptions(**options)
         self.storage_options = storage_options
         self.user_metadata = dict(user_metadata or {})
-        self.path = os.fspath(path)
-        self._backend: Backend | None = None
+        self._backend: Backend | None = path if isinstance(path, Backend) else None
+        self.path = path.url if isinstance(path, Backend) else os.fspath(path)
         self.is_coordinator = False
         self.rank = 0
         self._save_id = ""
@@ -146,14 +147,10 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
     @property
     def backend(self) -> Backend:
         if self._backend is None:
-            self._backend = self._make_backend()
+            self._backend = open_backend(self.path, self.storage_options)
+        if isinstance(self._backend, PosixBackend):
+            self._backend.sync = self.options.sync
         return self._backend
-
-    def _make_backend(self) -> Backend:
-        backend = open_backend(self.path, self.storage_options)
-        if hasattr(backend, "sync"):
-            backend.sync = self.options.sync  # type: ignore[attr-defined]
-        return backend
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator

@@ -13,8 +13,8 @@ Everything here talks real HTTP on 127.0.0.1; nothing patches a client.
 
 from __future__ import annotations
 
+import functools
 import http.client
-import json
 import os
 import random
 import socket
@@ -27,6 +27,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOOPBACK = "127.0.0.1"
@@ -50,7 +51,9 @@ def free_port() -> int:
 
 
 def _post(url: str, data: bytes = b"") -> bytes:
-    with urllib.request.urlopen(urllib.request.Request(url, data=data, method="POST"), timeout=10) as r:
+    request = urllib.request.Request(url, data=data, method="POST",
+                                     headers={"Content-Type": "text/plain"})  # else Flask eats it
+    with urllib.request.urlopen(request, timeout=10) as r:
         return r.read()
 
 
@@ -90,13 +93,14 @@ class MotoServer:
         """From now on moto checks signatures and IAM policies (until :meth:`reset`)."""
         _post(f"{self.endpoint_url}/moto-api/reset-auth", b"0")
 
-    def client(self, service: str = "s3", **kwargs):
-        """A boto3 client for this server (for setup and for checking results)."""
+    def client(self, service: str = "s3"):
+        """A boto3 client for this server with moto's dummy credentials (for setup and checks)."""
+        if service == "s3":
+            return _boto3_client(self.endpoint_url, "testing", "testing", "us-east-1")
         import boto3
 
-        kwargs.setdefault("aws_access_key_id", "testing")
-        kwargs.setdefault("aws_secret_access_key", "testing")
-        return boto3.client(service, endpoint_url=self.endpoint_url, region_name="us-east-1", **kwargs)
+        return boto3.client(service, endpoint_url=self.endpoint_url, region_name="us-east-1",
+                            aws_access_key_id="testing", aws_secret_access_key="testing")
 
     def create_bucket(self, name: str) -> None:
         self.client().create_bucket(Bucket=name)
@@ -137,7 +141,17 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         if fault == "reset":
             self._reset()
             return
-        status, headers, data = self._forward(body)
+        proxy = self.server.proxy
+        with proxy._lock:
+            proxy._inflight += 1
+            proxy.max_inflight = max(proxy.max_inflight, proxy._inflight)
+        try:
+            if proxy.latency:
+                time.sleep(proxy.latency)
+            status, headers, data = self._forward(body)
+        finally:
+            with proxy._lock:
+                proxy._inflight -= 1
         if fault == "lost":
             self._reset()
             return
@@ -220,6 +234,9 @@ class FaultProxy:
     Attributes:
         endpoint_url: where clients should connect instead of the upstream.
         counts: how many faults of each mode were injected, and ``"ok"`` for forwarded requests.
+        latency: seconds each forwarded request is held before forwarding (makes concurrency
+            observable).
+        max_inflight: the most requests that were being forwarded at the same time.
     """
 
     def __init__(self, upstream_url: str, *, rate: float = 0.0,
@@ -229,12 +246,16 @@ class FaultProxy:
             raise ValueError(f"the fault proxy only forwards to loopback, not {upstream_url}")
         self.upstream = (host, int(port))
         self.counts: Counter[str] = Counter()
+        self.latency = 0.0
+        self.max_inflight = 0
+        self._inflight = 0
         self._lock = threading.Lock()
         self.set_faults(rate, modes, seed=seed)
         self._server = _ProxyServer((LOOPBACK, 0), _ProxyHandler)
         self._server.proxy = self
         self.endpoint_url = f"http://{LOOPBACK}:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy",
+                                        daemon=True)
         self._thread.start()
 
     def set_faults(self, rate: float, modes: Sequence[str] = FAULT_MODES, *, seed: int = 0,
@@ -268,12 +289,66 @@ class FaultProxy:
         self._server.server_close()
 
 
-def list_open_uploads(server: MotoServer, bucket: str) -> list[dict]:
-    """Multipart uploads still open in ``bucket`` (ListMultipartUploads, straight to the server)."""
-    return server.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+@dataclass(frozen=True)
+class S3Location:
+    """A place on an S3 endpoint to run a test against.
+
+    Attributes:
+        url: ``s3://<bucket>/<prefix>`` to give to ``ShardWriter``/``ShardReader``/``open_backend``.
+        storage_options: everything a client needs (``endpoint_url``, ``key``, ``secret``,
+            region); a plain dict, so it can be handed to spawned ranks.
+        bucket: the bucket (exists, empty at the start of the test).
+        prefix: the key prefix inside the bucket that ``url`` points at.
+        endpoint_url: the real server, bypassing any fault proxy, for checking results.
+    """
+
+    url: str
+    storage_options: dict
+    bucket: str
+    prefix: str
+    endpoint_url: str
+
+    def client(self):
+        """A boto3 S3 client straight to the server (not through a proxy), for checks."""
+        opts = self.storage_options
+        return _boto3_client(self.endpoint_url, opts.get("key"), opts.get("secret"),
+                             opts.get("client_kwargs", {}).get("region_name"))
+
+    def keys(self) -> list[str]:
+        """Every object key in the bucket, sorted (straight to the server)."""
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket)
+        return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+    def open_uploads(self) -> list[dict]:
+        """Multipart uploads still open in the bucket (ListMultipartUploads)."""
+        return self.client().list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
+
+    def backend(self, **kwargs):
+        """An :class:`~shardstore.backends.s3.S3Backend` rooted at ``url``."""
+        from shardstore.backends.s3 import S3Backend
+
+        return S3Backend(self.url, storage_options=self.storage_options, **kwargs)
+
+    def through(self, endpoint_url: str) -> S3Location:
+        """The same location, reached via another endpoint (e.g. a :class:`FaultProxy`)."""
+        return replace(self, storage_options={**self.storage_options, "endpoint_url": endpoint_url})
 
 
-def moto_state(server: MotoServer) -> dict:
-    """moto's model data (for debugging a failing test)."""
-    with urllib.request.urlopen(f"{server.endpoint_url}/moto-api/data.json", timeout=10) as r:
-        return json.loads(r.read())
+@functools.lru_cache(maxsize=16)
+def _boto3_client(endpoint_url: str, key: str | None, secret: str | None, region: str | None):
+    import boto3  # clients are thread-safe and slow to create: make each one once
+
+    return boto3.client("s3", endpoint_url=endpoint_url, aws_access_key_id=key,
+                        aws_secret_access_key=secret, region_name=region)
+
+
+def moto_location(server: MotoServer, bucket: str, prefix: str) -> S3Location:
+    """An :class:`S3Location` on ``server`` with moto's dummy credentials."""
+    return S3Location(
+        url=f"s3://{bucket}/{prefix}",
+        storage_options={"endpoint_url": server.endpoint_url, "key": "testing",
+                         "secret": "testing", "client_kwargs": {"region_name": "us-east-1"}},
+        bucket=bucket,
+        prefix=prefix,
+        endpoint_url=server.endpoint_url,
+    )

@@ -90,3 +90,16 @@ def test_save_fails_cleanly_when_every_request_fails(faulty_s3):
     faulty_s3.proxy.set_faults(0.0)
     assert not any(k.endswith(INDEX_NAME) for k in faulty_s3.direct.keys())
     assert faulty_s3.direct.open_uploads() == []
+
+
+def test_large_files_go_up_as_parallel_multipart_uploads_and_read_back(s3_url, faulty_s3):
+    from shardstore.backends.s3 import S3Backend
+
+    full = torch.randn(3 * 1024 * 1024)  # 12 MiB in one data file: three 5 MiB parts at least
+    backend = S3Backend(faulty_s3.url, storage_options=faulty_s3.storage_options, part_size=5 << 20, max_concurrency=3)
+    dcp.save({"big": full}, storage_writer=ShardWriter(backend, threads=1))
+    assert faulty_s3.proxy.max_inflight >= 2  # parts went up concurrently (through 5% faults)
+    state = {"big": torch.zeros_like(full)}
+    dcp.load(state, storage_reader=ShardReader(s3_url.url, storage_options=s3_url.storage_options))
+    assert torch.equal(state["big"], full)
+    assert s3_url.open_uploads() == []

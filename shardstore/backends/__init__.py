@@ -31,8 +31,14 @@ def sibling_url(path: str | os.PathLike, name: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(local)), name)
 
 
-def open_backend(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Backend:
-    """Return the backend for ``path`` (a plain path or an fsspec URL)."""
+def open_backend(path: str | os.PathLike | Backend, storage_options: dict[str, Any] | None = None) -> Backend:
+    """Return the backend for ``path`` (a plain path or an fsspec URL).
+
+    A :class:`Backend` instance is returned as it is: that is how a caller passes options that
+    belong to one backend (e.g. ``S3Backend(url, part_size=..., max_concurrency=...)``).
+    """
+    if isinstance(path, Backend):
+        return path
     url = os.fspath(path)
     if "://" not in url or url.startswith("file://"):
         from shardstore.backends.posix import PosixBackend

@@ -19,10 +19,12 @@ GETs (large ranges split into ``part_size`` pieces) up to ``max_concurrency`` at
 Every request goes through :meth:`S3Backend._call`: :func:`retry_async` for transient failures
 (503 SlowDown, 5xx, dropped connections; an endpoint that refuses connections gets one retry only),
 then :func:`_translate` maps what is left to shardstore errors. Requests that are not idempotent
-by themselves are made so by checking the store when a retry meets their own earlier success: a
-conditional PUT that finds the very bytes it sent, a completion that finds the object with the
-expected multipart ETag, a CreateMultipartUpload whose lost first answer left an upload behind
-(aborted right away). Botocore's own retries are off, so this is the only retry loop.
+by themselves are made so by checking the store when a retry meets their own earlier success
+(aiohttp also silently re-sends a PUT whose kept-alive connection dropped): a conditional PUT
+whose 412 names an object carrying its own one-time token in its metadata, a completion whose
+NoSuchUpload finds the object with the expected multipart ETag, a CreateMultipartUpload whose
+lost first answer left an upload behind (aborted right away). Botocore's own retries are off, so
+this is the only retry loop.
 
 Credentials and endpoint: ``storage_options`` go to :class:`s3fs.S3FileSystem` (``key``,
 ``secret``, ``token``, ``profile``, ``endpoint_url``, ``client_kwargs``, ``config_kwargs``...);
@@ -37,11 +39,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import errno
+import functools
 import hashlib
+import io
 import logging
 import threading
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from shardstore.backends.base import Backend, FileWriter, check_relpath
@@ -69,6 +73,7 @@ READ_TIMEOUT_S = 60.0
 DEFAULT_RETRY = RetryPolicy(attempts=6, base_delay=0.1, max_delay=5.0)
 CONNECT_ATTEMPTS = 2  #: an endpoint that cannot be connected to at all fails fast
 SPREAD_PREFIXES = "0123456789abcdef"  #: with key_prefix_spread, keys start with one of these
+_PUBLISH_TOKEN = "shardstore-publish"  # user metadata naming the publish that wrote an object
 
 _ACCESS_CODES = {
     "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
@@ -130,7 +135,8 @@ def _translate(e: BaseException, url: str, bucket: str, endpoint: str) -> BaseEx
              "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN/AWS_PROFILE")
     code, status, message = _error_info(e)
     if code == "NoSuchBucket":
-        return BucketNotFoundError(f"bucket {bucket!r} does not exist at {endpoint} (accessing {url})")
+        return BucketNotFoundError(
+            f"bucket {bucket!r} does not exist at {endpoint} (accessing {url})")
     if code in _ACCESS_CODES or status == 403:
         return StorageAccessDeniedError(
             f"access to {url} denied by {endpoint}: {code}: {message or 'Forbidden'}; {creds}")
@@ -151,6 +157,44 @@ def _translate(e: BaseException, url: str, bucket: str, endpoint: str) -> BaseEx
                         f"{type(e).__name__}: {e}")
 
 
+def _new_session(profile: str | None) -> Any:
+    """An aiobotocore session (own credentials and profile) sharing botocore's model loader.
+
+    Loading the S3 service model takes about half a second per session; the loader caches it,
+    so backends created one after another (writer, reader, manager) pay that once.
+    """
+    import aiobotocore.session
+    from botocore.exceptions import ProfileNotFound
+
+    session = aiobotocore.session.AioSession(profile=profile)
+    try:
+        data_path = session.get_config_variable("data_path")
+    except ProfileNotFound as e:
+        raise StorageAccessDeniedError(
+            f"AWS profile {profile!r} not found in the AWS config files "
+            "(AWS_CONFIG_FILE, AWS_SHARED_CREDENTIALS_FILE, ~/.aws)") from e
+    session.register_component("data_loader", _loader(data_path))
+    return session
+
+
+@functools.lru_cache(maxsize=None)
+def _loader(data_path: str | None) -> Any:
+    import botocore.loaders
+
+    return botocore.loaders.create_loader(data_path)
+
+
+def _restore(args: tuple[str, dict[str, Any]], root: str, url: str) -> S3Backend:
+    backend = S3Backend(args[0], **args[1])
+    backend._root, backend.url = root, url
+    return backend
+
+
+def _spread(logical: str) -> str:
+    """The spread prefix of a key: one hex digit of its MD5, so keys scatter over partitions."""
+    return hashlib.md5(logical.encode()).hexdigest()[0] + "/"
+
+
 def _multipart_etag(etags: Sequence[str]) -> str | None:
     """The ETag S3 gives a completed multipart object (None if the part ETags are not MD5s)."""
     try:
@@ -163,15 +207,20 @@ def _multipart_etag(etags: Sequence[str]) -> str | None:
 
 
 class _S3FileWriter(FileWriter):
-    """A multipart upload fed by ``write``; one PUT at ``close`` if under ``part_size``."""
+    """A multipart upload fed by ``write``; one PUT at ``close`` if under ``part_size``.
+
+    Full parts are uploaded by tasks on the backend's event loop while ``write`` goes on; a
+    semaphore shared by the backend bounds the parts in flight (and so the memory they hold),
+    blocking ``write`` when the store is slower than the producer.
+    """
 
     def __init__(self, backend: S3Backend, path: str) -> None:
         self._b = backend
         self._key = backend._key(path)
         self._url = f"{backend.url}/{path}"
-        self._buf = bytearray()
+        self._buf = io.BytesIO()  # the part being filled; handed to the upload without a copy
         self._upload_id: str | None = None
-        self._parts: list[Future[str]] = []
+        self._parts: list[asyncio.Task[str]] = []
         self._state = "open"
 
     def write(self, data: memoryview | bytes) -> None:
@@ -180,33 +229,31 @@ class _S3FileWriter(FileWriter):
         view = memoryview(data).cast("B")
         size = self._b.part_size
         while view.nbytes:
-            room = size - len(self._buf)
-            self._buf += view[:room]
+            room = size - self._buf.tell()
+            self._buf.write(view[:room])
             view = view[room:]
-            if len(self._buf) == size:
+            if self._buf.tell() == size:
                 self._guard(self._send_part)
 
     def _send_part(self) -> None:
         b = self._b
         if self._upload_id is None:
             self._upload_id = b._run(b._create_upload(self._key, self._url))
-        for f in self._parts:  # surface a failed part now instead of at close
-            if f.done() and f.exception() is not None:
-                f.result()
+        for task in self._parts:  # surface a failed part now rather than at close
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
         number = len(self._parts) + 1
         if number > MAX_PARTS:
             raise StorageError(f"{self._url} needs more than {MAX_PARTS} parts; "
                                f"use a larger part_size than {b.part_size}")
-        body, self._buf = self._buf, bytearray()
-        b._slots.acquire()  # bounds the parts in flight, hence the memory they hold
+        b._slots.acquire()  # released when the part's task ends, however it ends
+        body, self._buf = self._buf, io.BytesIO()
         try:
-            fut = asyncio.run_coroutine_threadsafe(
-                b._upload_part(self._key, self._url, self._upload_id, number, body), b._loop)
+            self._parts.append(b._run(b._spawn(
+                b._upload_part(self._key, self._url, self._upload_id, number, body))))
         except BaseException:
             b._slots.release()
             raise
-        fut.add_done_callback(lambda _: b._slots.release())
-        self._parts.append(fut)
 
     def close(self) -> None:
         if self._state == "closed":
@@ -219,13 +266,13 @@ class _S3FileWriter(FileWriter):
     def _finish(self) -> None:
         b = self._b
         if self._upload_id is None:
-            body, self._buf = self._buf, bytearray()
+            body, self._buf = self._buf.getvalue(), io.BytesIO()
             b._run(b._call(self._url, lambda s3, _: s3.put_object(
                 Bucket=b.bucket, Key=self._key, Body=body)))
             return
-        if self._buf:
+        if self._buf.tell():
             self._send_part()
-        etags = [f.result() for f in self._parts]
+        etags = b._run(_gather(self._parts))
         b._run(b._complete(self._key, self._url, self._upload_id, etags))
         self._upload_id = None
 
@@ -241,22 +288,27 @@ class _S3FileWriter(FileWriter):
         if self._state == "aborted":
             return
         self._state = "aborted"
-        self._buf = bytearray()
-        for f in self._parts:
-            f.cancel()
-        for f in self._parts:
-            try:
-                f.result()
-            except BaseException:  # cancelled or failed: either way the part is done
-                pass
-        if self._upload_id is not None:
-            upload_id, self._upload_id = self._upload_id, None
-            try:
-                self._b._run(self._b._abort_upload(self._key, self._url, upload_id))
-            except ShardstoreError as e:  # keep the caller's original error in charge
-                logger.error("could not abort multipart upload %s of %s: %s; it keeps its parts "
-                             "until aborted (see S3Backend.abort_incomplete_uploads)",
-                             upload_id, self._url, e)
+        self._buf = io.BytesIO()
+        b = self._b
+        try:
+            b._run(_cancel(self._parts))  # no part may land after the abort
+            if self._upload_id is not None:
+                b._run(b._abort_upload(self._key, self._url, self._upload_id))
+                self._upload_id = None
+        except ShardstoreError as e:  # keep the caller's original error in charge
+            logger.error("could not abort multipart upload %s of %s: %s; its parts stay until "
+                         "aborted (see S3Backend.abort_incomplete_uploads)",
+                         self._upload_id, self._url, e)
+
+
+async def _gather(tasks: Sequence[asyncio.Task[T]]) -> list[T]:
+    return list(await asyncio.gather(*tasks))
+
+
+async def _cancel(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class S3Backend(Backend):
@@ -303,6 +355,8 @@ class S3Backend(Backend):
             **options.get("config_kwargs", {}),
         }
         options["skip_instance_cache"] = True  # our own client with our config
+        if "session" not in options:
+            options["session"] = _new_session(options.pop("profile", None))
         self._fs, root = fsspec.core.url_to_fs(url, **options)
         self.bucket, key, _ = self._fs.split_path(root)
         if not self.bucket:
@@ -318,6 +372,13 @@ class S3Backend(Backend):
         self._conditional_put = True
         self._bucket_checked = False
         self._owner = True
+        self._args = (url, {"storage_options": storage_options, "part_size": part_size,
+                            "max_concurrency": max_concurrency,
+                            "key_prefix_spread": key_prefix_spread, "retry": retry})
+
+    def __reduce__(self) -> tuple:
+        """Pickle as the constructor's arguments (a new process gets its own client)."""
+        return _restore, (self._args, self._root, self.url)
 
     # -- keys -------------------------------------------------------------------------------
 
@@ -327,9 +388,11 @@ class S3Backend(Backend):
 
     def _key(self, path: str) -> str:
         logical = self._logical(path)
-        if self.key_prefix_spread:
-            return f"{hashlib.md5(logical.encode()).hexdigest()[0]}/{logical}"
-        return logical
+        return _spread(logical) + logical if self.key_prefix_spread else logical
+
+    def _starts(self, logical: str) -> list[str]:
+        """Key prefixes under which the objects below ``logical`` are stored."""
+        return [h + "/" + logical for h in SPREAD_PREFIXES] if self.key_prefix_spread else [logical]
 
     def child(self, name: str) -> S3Backend:
         rel = check_relpath(name)
@@ -342,7 +405,14 @@ class S3Backend(Backend):
     # -- plumbing ---------------------------------------------------------------------------
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the event-loop thread and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Start ``coro`` as a task holding one of the in-flight slots until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        task.add_done_callback(lambda _: self._slots.release())
+        return task
 
     async def _call(self, url: str, op: Callable[[Any, int], Awaitable[T]]) -> T:
         """Run ``op(client, attempt)`` with retries; raise failures as shardstore errors."""
@@ -354,14 +424,22 @@ class S3Backend(Backend):
                 return await retry_async(lambda attempt: op(s3, attempt), policy=self.retry,
                                          retryable=_retryable, what=f"S3 request for {url}")
             except Exception as e:
-                code, status, _ = _error_info(e)
-                if code == "404" and not self._bucket_checked:  # a HEAD: key or bucket missing?
-                    await self._call(f"s3://{self.bucket}",
-                                     lambda c, _: c.head_bucket(Bucket=self.bucket))
-                    self._bucket_checked = True
+                if _error_info(e)[0] == "404" and not self._bucket_checked:
+                    await self._check_bucket(s3, endpoint)  # HEAD: is key or bucket missing?
                 raise
         except Exception as e:
             raise _translate(e, url, self.bucket, endpoint) from e
+
+    async def _check_bucket(self, s3: Any, endpoint: str) -> None:
+        try:
+            await s3.head_bucket(Bucket=self.bucket)
+        except Exception as e:
+            if _error_info(e)[1] == 404:
+                raise BucketNotFoundError(
+                    f"bucket {self.bucket!r} does not exist at {endpoint} (accessing {self.url})"
+                ) from e
+            return  # report the original error
+        self._bucket_checked = True
 
     async def _head(self, s3: Any, key: str) -> dict | None:
         try:
@@ -390,22 +468,27 @@ class S3Backend(Backend):
         return upload_id
 
     async def _upload_part(self, key: str, url: str, upload_id: str, number: int,
-                           body: bytearray) -> str:
-        resp = await self._call(url, lambda s3, _: s3.upload_part(
-            Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body))
-        return resp["ETag"]
+                           body: io.BytesIO) -> str:
+        # aiohttp streams a BytesIO in small chunks; a bytes Body would be copied whole on its
+        # way to the socket. Each attempt rewinds it (botocore sends from the position).
+        async def upload(s3: Any, _: int) -> dict:
+            body.seek(0)
+            return await s3.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id,
+                                        PartNumber=number, Body=body)
+
+        return (await self._call(url, upload))["ETag"]
 
     async def _complete(self, key: str, url: str, upload_id: str, etags: list[str]) -> None:
         expected = _multipart_etag(etags)
         parts = [{"PartNumber": i + 1, "ETag": t} for i, t in enumerate(etags)]
 
-        async def complete(s3: Any, attempt: int) -> None:
+        async def complete(s3: Any, _: int) -> None:
             try:
                 await s3.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
                                                    MultipartUpload={"Parts": parts})
             except Exception as e:
-                if attempt and _error_info(e)[0] == "NoSuchUpload" and expected:
-                    head = await self._head(s3, key)  # did our lost first answer succeed?
+                if _error_info(e)[0] == "NoSuchUpload" and expected:
+                    head = await self._head(s3, key)  # did an earlier, unanswered try succeed?
                     if head is not None and head.get("ETag") == expected:
                         return
                 raise
@@ -423,14 +506,15 @@ class S3Backend(Backend):
         await self._call(url, abort)
 
     async def _abort_uploads(self, prefix: str, url: str, *, keep: str | None = None,
-                             exact: bool = True) -> int:
+                             match: Callable[[str], bool] | None = None) -> int:
+        """Abort the open uploads of key ``prefix`` (or of the keys below it that ``match``)."""
         uploads = []
         markers: dict[str, str] = {}
         while True:
             page = await self._call(url, lambda s3, _: s3.list_multipart_uploads(
                 Bucket=self.bucket, Prefix=prefix, **markers))
-            uploads += [u for u in page.get("Uploads", [])
-                        if u["UploadId"] != keep and (u["Key"] == prefix or not exact)]
+            uploads += [u for u in page.get("Uploads", []) if u["UploadId"] != keep
+                        and (match(u["Key"]) if match else u["Key"] == prefix)]
             if not page.get("IsTruncated"):
                 break
             markers = {"KeyMarker": page["NextKeyMarker"],
@@ -444,12 +528,14 @@ class S3Backend(Backend):
         Only call it when no save is writing below ``prefix``. Returns the number aborted.
         """
         logical = self._logical(prefix) if prefix else self._root
-        starts = ([f"{h}/{logical}" for h in SPREAD_PREFIXES] if self.key_prefix_spread
-                  else [logical])
+        below = f"{logical}/" if logical else ""
+
+        def ours(key: str) -> bool:
+            return not self.key_prefix_spread or _spread(key[2:]) == key[:2]
 
         async def sweep() -> int:
-            counts = await asyncio.gather(*(self._abort_uploads(s, self.url, exact=False)
-                                            for s in starts))
+            counts = await asyncio.gather(*(self._abort_uploads(s, self.url, match=ours)
+                                            for s in self._starts(below)))
             return sum(counts)
 
         return self._run(sweep())
@@ -465,19 +551,21 @@ class S3Backend(Backend):
                                                               Body=data))
             return
 
-        async def put_if_absent(s3: Any, attempt: int) -> bool:
+        token = uuid.uuid4().hex  # tells our own earlier PUT from another publisher's
+
+        async def put_if_absent(s3: Any, _: int) -> bool:
             try:
-                await s3.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*")
+                await s3.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*",
+                                    Metadata={_PUBLISH_TOKEN: token})
                 return True
             except Exception as e:
                 code, status, _ = _error_info(e)
                 if code == "NotImplemented" or status == 501:
                     return False
-                if attempt and status == 412:  # is it our own earlier attempt, answer lost?
-                    resp = await s3.get_object(Bucket=self.bucket, Key=key)
-                    async with resp["Body"] as body:
-                        if await body.read() == data:
-                            return True
+                if status == 412:  # a retry (ours or aiohttp's) may have met its own success
+                    head = await self._head(s3, key)
+                    if head is not None and head.get("Metadata", {}).get(_PUBLISH_TOKEN) == token:
+                        return True
                 raise
 
         if not await self._call(url, put_if_absent):
@@ -502,10 +590,10 @@ class S3Backend(Backend):
                                                Range=f"bytes={start}-{start + length - 1}")
                 except Exception as e:
                     if _error_info(e)[0] == "InvalidRange":
+                        actual = getattr(e, "response")["Error"].get("ActualObjectSize", "fewer")
                         raise TruncatedFileError(
                             f"{url} is truncated: wanted bytes [{start}, {start + length}), "
-                            f"the object has {e.response['Error'].get('ActualObjectSize', 'fewer')} bytes"
-                        ) from e
+                            f"the object has {actual} bytes") from e
                     raise
                 async with resp["Body"] as body:
                     return await body.read()
@@ -543,8 +631,9 @@ class S3Backend(Backend):
 
     def size(self, path: str) -> int:
         key, url = self._key(path), f"{self.url}/{path}"
-        resp = self._run(self._call(url, lambda s3, _: s3.head_object(Bucket=self.bucket, Key=key)))
-        return int(resp["ContentLength"])
+        head = self._run(self._call(url, lambda s3, _: s3.head_object(Bucket=self.bucket,
+                                                                       Key=key)))
+        return int(head["ContentLength"])
 
     def exists(self, path: str) -> bool:
         try:
@@ -559,9 +648,13 @@ class S3Backend(Backend):
         base = self._logical(prefix) if prefix else self._root
         cut = len(self._root) + 1 if self._root else 0
 
+        def wanted(logical: str) -> bool:
+            if logical.endswith("/"):  # a "directory" marker, not a file
+                return False
+            return not base or logical.startswith(base + "/") or (bool(prefix) and logical == base)
+
         async def list_from(start: str) -> list[str]:
-            keys: list[str] = []
-            token: dict[str, str] = {}
+            keys, token = [], {}
             while True:
                 page = await self._call(self.url, lambda s3, _: s3.list_objects_v2(
                     Bucket=self.bucket, Prefix=start, **token))
@@ -571,19 +664,13 @@ class S3Backend(Backend):
                 token = {"ContinuationToken": page["NextContinuationToken"]}
 
         async def list_all() -> list[str]:
-            if not self.key_prefix_spread:
-                return await list_from(f"{base}/" if base else "") + (
-                    [base] if prefix and await self._call(
-                        self.url, lambda s3, _: self._head(s3, base)) else [])
-            found = await asyncio.gather(*(list_from(f"{h}/{base}") for h in SPREAD_PREFIXES))
-            return [k[2:] for keys in found for k in keys if self._key_of(k[2:]) == k]
+            found = await asyncio.gather(*(list_from(s) for s in self._starts(base)))
+            keys = [k for ks in found for k in ks]
+            if self.key_prefix_spread:  # drop keys that are not where _key would put them
+                keys = [k[2:] for k in keys if _spread(k[2:]) == k[:2]]
+            return keys
 
-        inside = (lambda k: k == base or k.startswith(base + "/")) if base else (lambda k: True)
-        return sorted({k[cut:] for k in self._run(list_all())
-                       if inside(k) and not k.endswith("/")})
-
-    def _key_of(self, logical: str) -> str:
-        return f"{hashlib.md5(logical.encode()).hexdigest()[0]}/{logical}"
+        return sorted(k[cut:] for k in self._run(list_all()) if wanted(k))
 
     def delete(self, paths: Sequence[str]) -> None:
         keys = [self._key(p) for p in paths]
@@ -594,8 +681,9 @@ class S3Backend(Backend):
             errors = resp.get("Errors", [])
             if errors:
                 first = errors[0]
-                raise StorageError(f"could not delete {len(errors)} objects in {self.url}, e.g. "
-                                   f"{first.get('Key')}: {first.get('Code')}: {first.get('Message')}")
+                raise StorageError(
+                    f"could not delete {len(errors)} objects in {self.url}, e.g. "
+                    f"{first.get('Key')}: {first.get('Code')}: {first.get('Message')}")
 
         async def delete_all() -> None:
             await asyncio.gather(*(delete_batch(keys[i:i + 1000])
