@@ -9,6 +9,7 @@ Public surface::
 from __future__ import annotations
 
 from shardstore.errors import (
+    AsyncSaveInProgressError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -36,5 +37,6 @@ __all__ = [
     "StateMismatchError",
     "StorageError",
     "unwrap_error",
+    "AsyncSaveInProgressError",
 ]
 __version__ = "0.1.0"

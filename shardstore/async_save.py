@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from shardstore.errors import ShardstoreError
+from shardstore.errors import AsyncSaveInProgressError, ShardstoreError
 from shardstore.staging import SlicePool, SlicingPlanner, StagingSlot, default_slot
 
 logger = logging.getLogger(__name__)
@@ -62,10 +62,6 @@ __all__ = [
     "prepare",
     "save_process_group",
 ]
-
-
-class AsyncSaveInProgressError(ShardstoreError, RuntimeError):
-    """A save was refused because the previous async save is still running (``if_busy="raise"``)."""
 
 
 # -- the dedicated process groups -----------------------------------------------------------------

@@ -54,6 +54,10 @@ class StorageUnreachableError(StorageError, ConnectionError):
     """The storage endpoint cannot be reached (wrong endpoint URL, no network, service down)."""
 
 
+class AsyncSaveInProgressError(ShardstoreError, RuntimeError):
+    """A save was refused because the previous async save is still running (``if_busy="raise"``)."""
+
+
 def unwrap_error(exc: BaseException) -> BaseException:
     """The original error behind DCP's ``CheckpointException``, or ``exc`` itself.
 
