@@ -18,6 +18,7 @@ reading each tensor only when the writer asks for it.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -56,6 +57,7 @@ logger = logging.getLogger(__name__)
 #: Byte runs of one read item closer than this are fetched as one range (fewer requests).
 MERGE_GAP = 4096
 SUFFIX = ".safetensors"
+INDEX_SUFFIX = ".safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -99,9 +101,21 @@ def _open_files(path: str, storage_options: dict[str, Any] | None) -> tuple[Back
     backend = open_backend(path, storage_options)
     if local and os.path.isfile(plain):
         raise InvalidCheckpointError(f"{plain} is not a safetensors file (its name does not end in {SUFFIX})")
-    names = [p for p in backend.list() if p.endswith(SUFFIX) and "/" not in p]
+    listing = [p for p in backend.list() if "/" not in p]
+    names = [p for p in listing if p.endswith(SUFFIX)]
     if not names:
         raise CheckpointNotFoundError(f"no {SUFFIX} files in {backend.url}")
+    indexes = [p for p in listing if p.endswith(INDEX_SUFFIX)]
+    if len(indexes) == 1:  # a Hugging Face sharded model: its index says which files hold the weights
+        try:
+            weight_map = json.loads(backend.read_small(indexes[0]))["weight_map"]
+            wanted = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise InvalidCheckpointError(f"{backend.url}/{indexes[0]} is not a safetensors index: {e!r}") from None
+        missing = [n for n in wanted if n not in names]
+        if missing:
+            raise CheckpointNotFoundError(f"{backend.url}/{indexes[0]} names files that are not there: {missing}")
+        names = wanted
     return backend, names
 
 
@@ -110,7 +124,9 @@ class SafetensorsReader(StorageReader):
 
     Args:
         path: a ``.safetensors`` file, or a directory holding ``*.safetensors`` files (their
-            tensors are merged; a name in two files is an error). Local path or URL.
+            tensors are merged; a name in two files is an error; with one
+            ``*.safetensors.index.json`` only the files its ``weight_map`` names). Local path
+            or URL.
         storage_options: passed to fsspec.
         add_prefix: prepended to every tensor name in the files, to match the state dict's
             names (e.g. ``"model."``).

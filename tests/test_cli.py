@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -286,8 +287,6 @@ _EXPECTED = {
 @pytest.mark.parametrize("case", ["missing", "foreign", "partial"])
 @pytest.mark.parametrize("verb", ["inspect", "export", "diff-a", "diff-b", "cp", "ls", "gc", "import"])
 def test_every_verb_fails_with_one_clear_line(capsys, tmp_path, verb, case):
-    import re
-
     good = _save(tmp_path / "good", {"w": torch.ones(3)})
     place = (_bad_sources(tmp_path) if verb == "import" else _bad_places(tmp_path))[case]
     argv = {

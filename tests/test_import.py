@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -85,6 +87,9 @@ def test_directory_of_files_casts_and_converts(tmp_path):
     save_file(a, str(tmp_path / "model-00001-of-00002.safetensors"))
     save_file(b, str(tmp_path / "model-00002-of-00002.safetensors"))
     (tmp_path / "config.json").write_text("{}")
+    save_file({"other": torch.ones(1)}, str(tmp_path / "consolidated.safetensors"))  # not in the index
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in a} | {k: "model-00002-of-00002.safetensors" for k in b}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     everything = {**a, **b}
 
     # Plain tensors, no process group; a float32 target for a bfloat16 tensor is cast on load.

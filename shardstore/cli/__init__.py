@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `shardstore ls --json | head`: the reader went away
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
