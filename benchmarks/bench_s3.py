@@ -596,7 +596,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
     configs = sized(
         quick,
         full=[(8 * MiB, 8), (16 * MiB, 4), (16 * MiB, 8), (16 * MiB, 16), (32 * MiB, 8), (64 * MiB, 8)],
-        quick_size=[(8 * MiB, 8), (16 * MiB, 8), (16 * MiB, 16)],
+        quick_size=[],
         smoke=[],
     )
     t0 = time.perf_counter()

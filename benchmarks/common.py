@@ -348,6 +348,15 @@ def memcpy_limit(nbytes: int, *, reps: int = 5) -> float:
     return nbytes / time_call(lambda: dst.copy_(src), reps=reps)
 
 
+def cpu_probe() -> float:
+    """Seconds for ``sum(range(10**7))`` in this interpreter: how busy the CPUs are right now.
+
+    An idle modern core takes about 0.2 s; a larger value means other processes share the cores,
+    which slows every Python-bound stage (index building, planning) by about the same factor.
+    """
+    return time_call(lambda: sum(range(10**7)), reps=3)
+
+
 def machine_limits(path: str, nbytes: int) -> dict[str, float]:
     """The machine's ceilings, in bytes/s: durable write, cold and warm read, memcpy."""
     return {

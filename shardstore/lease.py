@@ -224,6 +224,9 @@ class Lease:
                 logger.warning("lease of %s: owner %s stopped beating; taking over", self.backend.url, self._describe(gen))
                 return
             time.sleep(min(poll, left))
+            gens = self._generations()
+            if not gens or gens[-1] != gen:
+                raise LeaseHeldError(f"{self.backend.url} is in use: another job took its lease while this one waited")
             now = self._read(_beat_name(gen))
             if now != first:
                 if _decode(now).get("released"):
@@ -232,8 +235,6 @@ class Lease:
                     f"{self.backend.url} is in use by another job ({self._describe(gen)}): its lease "
                     "heartbeat is alive; only one job may save under a root"
                 )
-            if self._generations()[-1] != gen:
-                raise LeaseHeldError(f"{self.backend.url} is in use: another job took its lease while this one waited")
 
     def _beat(self, *, released: bool = False) -> None:
         self._count += 1

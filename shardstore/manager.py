@@ -30,7 +30,16 @@ Deletion protocol (coordinator only, never on other ranks):
 * Leftovers of crashed saves (files in a step directory without an index, and unreferenced files
   beside a committed index) are deleted once they cannot belong to a save in progress: the
   manager holds the root's lease, so the only saves in progress are its own, which it protects.
-* Deleting requires the lease; it is verified with the store right before each deletion.
+* Deleting requires the lease; it is verified right before each deletion.
+* Cost: after a commit the coordinator lists only the new step's directory and reads its index;
+  it lists the whole root at its first gc, after a failed save or gc, on an explicit
+  :meth:`~CheckpointManager.gc` and every ``RESCAN_INTERVAL_S``.
+
+Restore on another world size: tensors are resharded by DCP's load planner. State that differs
+by rank (RNG, data loader position) is marked with :class:`~shardstore.stateful.PerRank` and
+stored once per rank (``<name>.rank<r>``); the index records which entries are per rank, so a
+restore under another world size fails clearly unless the wrapper says to drop the saved
+values or take rank 0's.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 
+from shardstore.async_save import async_save as background_save
 from shardstore.backends import Backend, open_backend
 from shardstore.config import INDEX_NAME, WriteOptions
 from shardstore.errors import CheckpointNotFoundError, ShardstoreError, StateMismatchError
@@ -70,6 +80,9 @@ __all__ = ["CheckpointManager", "CheckpointInfo", "list_checkpoints", "step_name
 STEP_PREFIX = "step-"
 _STEP_RE = re.compile(r"^step-(\d{12})$")
 _MAX_STEP = 10**12 - 1
+#: Background gc lists the whole root at least this often (else only the steps it committed), so
+#: files that a job which lost the lease wrote after the takeover are found too.
+RESCAN_INTERVAL_S = 600.0
 #: Key under which a :class:`PerRank` entry stores rank ``r``'s value: ``<name>.rank<r>.*``.
 _RANK_KEY = "rank{}"
 
@@ -104,6 +117,8 @@ class CheckpointInfo:
         raw_nbytes: uncompressed bytes of all its tensors.
         added_nbytes: bytes of the data files this step wrote itself (the rest it references).
         bases: names of the older steps whose files it references.
+        referenced_by: names of committed steps that read files in this directory (for an
+            uncommitted one: it holds data that newer incremental steps still use).
     """
 
     step: int
@@ -117,6 +132,7 @@ class CheckpointInfo:
     raw_nbytes: int | None = None
     added_nbytes: int | None = None
     bases: tuple[str, ...] = ()
+    referenced_by: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -161,13 +177,27 @@ def list_checkpoints(root: str | os.PathLike, storage_options: dict[str, Any] | 
     try:
         scan = _scan(backend)
         committed = set(scan.committed)
+        indexes: dict[str, Index] = {}
+        for name in sorted(scan.files):
+            if parse_step(name) in committed:
+                try:
+                    indexes[name] = _read_index(backend, name)
+                except FileNotFoundError:  # retention of a live job deleted it since the listing
+                    scan.files[name].discard(f"{name}/{INDEX_NAME}")
+        users: dict[str, set[str]] = {}
+        for name, index in indexes.items():
+            for f in index.files:
+                users.setdefault(f.base or name, set()).add(name)
         out = []
         for name in sorted(scan.files):
             step = parse_step(name)
             assert step is not None
-            info = CheckpointInfo(step=step, name=name, url=backend.child(name).url, committed=step in committed, nfiles=len(scan.files[name]))
-            if info.committed:
-                index = _read_index(backend, name)
+            info = CheckpointInfo(
+                step=step, name=name, url=backend.child(name).url, committed=name in indexes,
+                nfiles=len(scan.files[name]), referenced_by=tuple(sorted(users.get(name, ()))),
+            )
+            index = indexes.get(name)
+            if index is not None:
                 info = dataclasses.replace(
                     info,
                     created=index.created,
@@ -216,13 +246,6 @@ def _quiet_single_process(single: bool) -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
-
-
-def _writer_supports_incremental() -> bool:
-    import inspect
-
-    fields = {f.name for f in dataclasses.fields(WriteOptions)}
-    return "incremental_base" in fields or "incremental_base" in inspect.signature(ShardWriter.__init__).parameters
 
 
 class CheckpointManager:
@@ -293,15 +316,7 @@ class CheckpointManager:
                 raise ValueError(f"writer_options may not set {reserved!r}: the manager controls it")
         WriteOptions(**{**self.writer_options, "compression": compression})  # validate now, not mid-training
         self.reader_options = dict(reader_options or {})
-        if incremental and not _writer_supports_incremental():
-            raise NotImplementedError("incremental=True needs ShardWriter(incremental_base=...), which this shardstore lacks")
-        self._async_save_fn: Callable[..., Any] | None = None
-        if async_save:
-            try:
-                from shardstore.async_save import async_save as async_save_fn
-            except ImportError as e:
-                raise ImportError(f"async_save=True needs shardstore.async_save, which failed to import: {e}") from e
-            self._async_save_fn = async_save_fn
+        self._async_save_fn: Callable[..., Any] | None = background_save if async_save else None
 
         self.root = os.fspath(root)
         self.keep_last = keep_last
@@ -322,6 +337,7 @@ class CheckpointManager:
         # The coordinator's picture of the root, kept up to date from its own commits and
         # deletions (it holds the lease, so no one else writes there); rescanned after a failure.
         self._view: _Scan | None = None
+        self._scanned_at = 0.0
         self._new_commits: list[str] = []
         self._lease: Lease | None = None
         self._agreed = False  # first save's collective (lease + latest step) done
@@ -414,11 +430,13 @@ class CheckpointManager:
         Retention runs after the commit, in the background, on the coordinator.
 
         Raises:
-            LeaseHeldError: another job is saving to this root.
-            LeaseLostError: another job took the root over since this one started.
+            LeaseHeldError: another job is saving to this root (first save only).
             CheckpointException: the save failed on some rank (DCP's error; nothing is
                 committed and nothing is deleted). A save of an already committed step fails
-                this way too (``CheckpointExistsError`` inside).
+                this way (``CheckpointExistsError`` inside), and so does the commit of a job
+                that lost the root's lease to another (``LeaseLostError`` inside).
+            Exception: with ``async_save``, the previous background save's error (this save
+                then does not start).
         """
         self._check_open()
         name = step_name(step)
@@ -426,15 +444,14 @@ class CheckpointManager:
         self._agree_first_save()
         base = step_name(self._latest) if self.incremental and self._latest is not None else None
         sd, per_rank = self._save_state(state)
-        extra: dict[str, Any] = {"incremental_base": base} if self.incremental else {}
         writer = _ManagedWriter(
             self._backend.child(name),
             lease=self._lease if self.is_coordinator else None,
             storage_options=self.storage_options,
             user_metadata={"step": step, "per_rank": sorted(per_rank)},
             compression=self.compression,
+            incremental_base=base,
             **self.writer_options,
-            **extra,
         )
         seq = self._begin(name, base)
         t0 = time.perf_counter()
@@ -713,8 +730,9 @@ class CheckpointManager:
         with self._lock:
             new, self._new_commits = self._new_commits, []
             view = self._view
-        if rescan or view is None or not owner:
+        if rescan or view is None or not owner or time.monotonic() - self._scanned_at > RESCAN_INTERVAL_S:
             view = _scan(self._backend)
+            self._scanned_at = time.monotonic()
         else:  # add what the commits since the last gc wrote: one listing of each new step
             for name in new:
                 view.files.setdefault(name, set()).update(self._backend.list(name))

@@ -220,20 +220,16 @@ def test_every_sampled_flip_is_reported_where_it_is_or_is_harmless(zstd_ckpt):
 
 def test_flip_in_a_referenced_base_checkpoint_is_reported_by_the_loading_step(tmp_path):
     root = tmp_path / "run"
-    dcp.save(_state(), storage_writer=ShardWriter(str(root / "step-1"), compression="zstd", frame_size=FRAME, sync=False))
-    dcp.save(_state(), storage_writer=ShardWriter(
-        str(root / "step-2"), compression="zstd", frame_size=FRAME, sync=False, incremental_base="step-1"))
-    base = str(root / "step-1")
+    base = _save(str(root / "step-1"), "zstd")
+    dcp.save(_state(), storage_writer=ShardWriter(  # unchanged state: every chunk references step-1
+        str(root / "step-2"), compression="zstd", frame_size=FRAME, threads=1, sync=False, incremental_base="step-1"))
+    assert {f.base for f in ShardReader(str(root / "step-2")).index.files} == {"step-1"}
     offset, tensor = _offset(base, "raw-frame")
-    for name in os.listdir(base):  # flip that offset in the data file holding `tensor`
-        if name.startswith("data-") and offset < os.path.getsize(os.path.join(base, name)):
-            index = ShardReader(base).index
-            if index.files[int(index.tensors[tensor].file[0])].path == name:
-                _flip(os.path.join(base, name), offset)
-                break
+    _flip(os.path.join(base, _data_file(base)), offset)
     report = verify_checkpoint(str(root / "step-2"))
     assert report.damaged_tensors == [tensor]
-    assert report.damage[0].file.startswith("../step-1/data-") and report.damage[0].reason == "checksum mismatch"
+    (d,) = report.damage
+    assert d.file == f"../step-1/{_data_file(base)}" and d.reason == "checksum mismatch" and d.start <= offset < d.end
 
 
 def test_reader_with_verify_off_does_not_check(zstd_ckpt):
@@ -388,3 +384,27 @@ def test_every_flipped_byte_in_the_index_is_an_invalid_checkpoint(zstd_ckpt):
         accepted.append(offset)
     open(path, "wb").write(orig)
     assert not accepted, f"{len(accepted)} of {len(orig) // 3} single-bit flips in the index were accepted"
+
+
+# -- S3 ----------------------------------------------------------------------------------------
+
+
+def test_verify_over_s3_finds_a_flipped_byte(s3_url, capsys):
+    url, opts = s3_url.url, s3_url.storage_options
+    dcp.save(_state(), storage_writer=ShardWriter(url, storage_options=opts, compression="zstd", frame_size=FRAME, threads=1))
+    rc, out, _ = _verify_cli(capsys, url, "--storage-options", json.dumps(opts), "--json")
+    assert rc == 0 and json.loads(out)["frames"] == 13
+
+    index = ShardReader(url, storage_options=opts).index
+    t = index.tensors["ids"]
+    name = index.files[int(t.file[0])].path
+    client, key = s3_url.client(), f"{s3_url.prefix}/{name}"
+    data = bytearray(client.get_object(Bucket=s3_url.bucket, Key=key)["Body"].read())
+    offset = int(t.pos[0]) + 5
+    data[offset] ^= 0x10
+    client.put_object(Bucket=s3_url.bucket, Key=key, Body=bytes(data))
+
+    rc, out, _ = _verify_cli(capsys, url, "--storage-options", json.dumps(opts), "--json")
+    report = json.loads(out)
+    assert rc == 1 and report["damaged_tensors"] == ["ids"]
+    assert report["damage"][0]["start"] <= offset < report["damage"][0]["end"]

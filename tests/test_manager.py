@@ -154,6 +154,7 @@ def test_two_ranks_keep_last_2_leaves_exactly_steps_3_and_4(saved_on_2):
     assert on_storage == referenced | {f"{step_name(s)}/{INDEX_NAME}" for s in (3, 4)}  # nothing else is left
     infos = {i.step: i for i in list_checkpoints(root)}
     assert sorted(infos) == [1, 3, 4] and not infos[1].committed  # step 1 only holds referenced data
+    assert infos[1].referenced_by == (step_name(3), step_name(4)) and infos[4].referenced_by == (step_name(4),)
     assert infos[4].committed and infos[4].world_size == 2 and infos[4].bases[0] == step_name(1)
     assert infos[4].added_nbytes < infos[4].logical_nbytes
     beat = [f for f in os.listdir(os.path.join(root, "_lease")) if f.endswith(".beat")]
@@ -391,7 +392,8 @@ def test_a_job_that_stalled_past_the_ttl_loses_the_lease_and_does_not_commit(tmp
             other.save(4, _tensors(4))
             other.wait()
             assert other.steps() == [1, 2, 4]
-            assert not any(p.startswith(step_name(3)) for p in open_backend(root).list())  # its leftovers
+            leftovers = [p for p in open_backend(root).list() if p.startswith(step_name(3))]
+            assert leftovers and other.gc() == leftovers  # a full gc finds what the stalled job wrote
 
 
 # -- crash safety: SIGKILL at random moments ---------------------------------------------------------
