@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from shardstore.backends.base import check_relpath
-from shardstore.codec import HASH_NAME, HASH_SIZE
+from shardstore.codec import HASH_NAME, HASH_SIZE, Codec, frame_hash
 from shardstore.errors import InvalidCheckpointError
 from shardstore.values import dtype_from_name, dtype_name
 
@@ -287,6 +287,7 @@ def encode_index(index: Index) -> bytes:
         "planner_data": _planner_data_to_msgpack(index.planner_data),
         "user": index.user,
     }
+    doc["index_hash"] = frame_hash(msgpack.packb(doc, use_bin_type=True))
     return msgpack.packb(doc, use_bin_type=True)
 
 
@@ -305,6 +306,34 @@ def _array(doc: dict, key: str, dtype: str, count: int, where: str) -> np.ndarra
     if len(raw) != count * itemsize:
         raise InvalidCheckpointError(f"index field {where}{key!r} has {len(raw)} bytes, expected {count * itemsize}")
     return np.frombuffer(raw, dtype=dtype)
+
+
+_CODECS = np.array([c.value for c in Codec], dtype=np.uint8)
+
+
+def _check_tables(where: str, t: TensorEntry, frame_size: int, files: list[FileEntry]) -> None:
+    """Cross-check a tensor's tables: frame counts, codecs, raw frame lengths, file extents."""
+    n = len(t.pos)
+    if n == 0:
+        return
+    nframes = np.diff(t.frame_start)
+    raw_len = np.prod(t.sizes, axis=1) * t.itemsize if t.sizes.shape[1] else np.full(n, t.itemsize)
+    if (nframes != (raw_len + frame_size - 1) // frame_size).any():
+        raise InvalidCheckpointError(f"index entry {where} has frame counts that do not match its chunk sizes")
+    if not np.isin(t.frame_codec, _CODECS).all():
+        raise InvalidCheckpointError(f"index entry {where} has an unknown frame codec")
+    owner = np.repeat(np.arange(n), nframes)
+    k = np.arange(len(t.frame_len)) - t.frame_start[owner]
+    raw_frame = np.minimum(frame_size, raw_len[owner] - k * frame_size)
+    raw = t.frame_codec == Codec.RAW
+    if (t.frame_len[raw] != raw_frame[raw]).any() or (t.frame_len <= 0).any():
+        raise InvalidCheckpointError(f"index entry {where} has frame lengths that do not match their codecs")
+    excl = np.zeros(len(t.frame_len) + 1, dtype=np.int64)
+    np.cumsum(t.frame_len, out=excl[1:])
+    ends = t.pos + excl[t.frame_start[1:]] - excl[t.frame_start[:-1]]
+    sizes = np.array([f.size for f in files], dtype=np.int64)
+    if (ends > sizes[t.file]).any():
+        raise InvalidCheckpointError(f"index entry {where} has frames past the end of their data file")
 
 
 def _decode_tensor(fqn: str, doc: Any, nfiles: int) -> TensorEntry:
@@ -382,6 +411,7 @@ def decode_index(data: bytes, *, source: str = "index") -> Index:
         tensors = {}
         for fqn, t in _need(doc, "tensors", dict, "").items():
             tensors[fqn] = _decode_tensor(fqn, t, len(files))
+            _check_tables(f"tensors[{fqn!r}]", tensors[fqn], frame_size, files)
         values = _need(doc, "values", dict, "")
         for k, v in values.items():
             if not isinstance(v, bytes):
@@ -392,10 +422,16 @@ def decode_index(data: bytes, *, source: str = "index") -> Index:
         user = doc.get("user") or {}
         if not isinstance(user, dict):
             raise InvalidCheckpointError(f"{source} field 'user' is not a map")
+        world_size = _need(doc, "world_size", int, "")
+        created = float(_need(doc, "created", (int, float), ""))
+        # Last, after the checks that name what is wrong: damage those checks cannot see.
+        expected = doc.pop("index_hash", None)
+        if not isinstance(expected, bytes) or frame_hash(msgpack.packb(doc, use_bin_type=True)) != expected:
+            raise InvalidCheckpointError(f"{source}: index checksum mismatch (the index is damaged)")
         return Index(
             frame_size=frame_size,
-            world_size=_need(doc, "world_size", int, ""),
-            created=float(_need(doc, "created", (int, float), "")),
+            world_size=world_size,
+            created=created,
             files=files,
             tensors=tensors,
             values=values,

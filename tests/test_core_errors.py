@@ -19,6 +19,7 @@ from shardstore import (
     TruncatedFileError,
     UnsupportedValueError,
 )
+from shardstore.codec import frame_hash
 from shardstore.config import INDEX_NAME
 from shardstore.errors import unwrap_error
 
@@ -121,9 +122,12 @@ def test_unfinished_save_is_not_a_checkpoint(ckpt):
 
 
 def _rewrite_index(ckpt: str, edit) -> None:
+    """Edit the index and re-seal it with a matching index_hash, as a deliberate forger would."""
     path = os.path.join(ckpt, INDEX_NAME)
     doc = msgpack.unpackb(open(path, "rb").read(), raw=False)
+    doc.pop("index_hash")
     edit(doc)
+    doc["index_hash"] = frame_hash(msgpack.packb(doc, use_bin_type=True))
     open(path, "wb").write(msgpack.packb(doc, use_bin_type=True))
 
 
@@ -158,6 +162,15 @@ def test_damaged_index(ckpt, damage, message):
 def test_invalid_index_fields(ckpt, edit, message):
     _rewrite_index(ckpt, edit)
     with pytest.raises(InvalidCheckpointError, match=message):
+        ShardReader(ckpt)
+
+
+def test_index_damage_that_stays_well_formed_is_caught_by_the_index_hash(ckpt):
+    path = os.path.join(ckpt, INDEX_NAME)
+    doc = msgpack.unpackb(open(path, "rb").read(), raw=False)
+    doc["values"]["step"] = msgpack.packb(4)  # a plausible value, stale index_hash
+    open(path, "wb").write(msgpack.packb(doc, use_bin_type=True))
+    with pytest.raises(InvalidCheckpointError, match="index checksum mismatch"):
         ShardReader(ckpt)
 
 
