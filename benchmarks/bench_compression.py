@@ -58,6 +58,7 @@ from shardstore.verify import verify_checkpoint
 logger = logging.getLogger(__name__)
 
 NTENSORS = 16
+FRAME = 4 * MiB  # ShardWriter's default frame size
 TARGETS = {"bfloat16": 0.72, "float32": 0.88}
 SAVE_TARGET, LOAD_TARGET, HASH_TARGET = 1.2, 0.8, 0.05
 _NO_HASH = bytes(16)
@@ -95,6 +96,31 @@ def _target_cell(value: float, target: float, *, at_most: bool, percent: bool = 
     sign = "<=" if at_most else ">="
     shown = f"{target * 100:.0f} %" if percent else f"{target:.2f}"
     return f"{sign} {shown} ({'met' if ok else 'missed'})"
+
+
+def _cpu_rates(state: dict[str, Any], dtype: str) -> dict[str, float]:
+    """Bytes per CPU-second of one thread for hashing, byte-grouped zstd encode and decode.
+
+    Measured with ``time.thread_time`` (CPU time of this thread), so time spent waiting for a
+    core on a busy machine does not count: these are what one free core does.
+    """
+    codec = shardstore.codec.choose_codec("zstd", True, torch.empty((), dtype=getattr(torch, dtype)).element_size())
+    frames = [
+        memoryview(t.reshape(-1).view(torch.uint8).numpy())[i : i + FRAME]
+        for t in state.values()
+        for i in range(0, t.numel() * t.element_size(), FRAME)
+    ]
+    raw = sum(f.nbytes for f in frames)
+    t0 = time.thread_time()
+    for f in frames:
+        xxhash.xxh3_128_digest(f)
+    t1 = time.thread_time()
+    encoded = [shardstore.codec.encode_frame(f, codec, level=1, min_saving=0.03) for f in frames]
+    t2 = time.thread_time()
+    for (stored, used, _), f in zip(encoded, frames):
+        shardstore.codec.decode_frame(stored, used, f.nbytes)
+    t3 = time.thread_time()
+    return {"hash": raw / (t1 - t0), "encode": raw / (t2 - t1), "decode": raw / (t3 - t2)}
 
 
 def _one_dtype(root: str, dtype: str, total: int, reps: int) -> dict[str, Any]:
@@ -155,15 +181,8 @@ def _one_dtype(root: str, dtype: str, total: int, reps: int) -> dict[str, Any]:
         },
         reps=reps,
     )
-    views = [t.reshape(-1).view(torch.uint8).numpy() for t in state.values()]
-    frame = 4 * MiB
-
-    def hash_only() -> None:
-        for v in views:
-            for i in range(0, v.nbytes, frame):
-                xxhash.xxh3_128_digest(v[i : i + frame])
-
-    hash_seconds = median(alternate({"h": hash_only}, reps=max(3, reps), warmup=1)["h"])
+    cpu = _cpu_rates(state, dtype)
+    hash_seconds = raw / cpu["hash"]
 
     s = {k: median(v) for k, v in saves.items()}
     ld = {k: median(v) for k, v in loads.items()}
@@ -184,6 +203,17 @@ def _one_dtype(root: str, dtype: str, total: int, reps: int) -> dict[str, Any]:
         [name, "verify, cold", fmt_rate(raw, vf["raw"]), fmt_rate(raw, vf["zstd"]), "-", fmt_rate(raw, ld["dd"]),
          fmt_ratio(vf["raw"] / vf["zstd"]), "-"],
     ]
+    cores = os.cpu_count() or 1
+    ratio = stored["zstd"]
+    # On an idle machine with every core encoding, the durable zstd save costs encode + write of the
+    # stored bytes (the fsync at the end of each file: no overlap), the uncompressed one the write.
+    # (s["dd"] and ld["dd"] are the seconds dd takes to write / read the raw bytes.)
+    proj_save = s["dd"] / (raw / (cores * cpu["encode"]) + ratio * s["dd"])
+    proj_load = ld["dd"] / (ratio * ld["dd"] + raw / (cores * cpu["decode"]))
+    cpu_row = [
+        name, f"{cpu['hash'] / 1e9:.2f} GB/s", f"{cpu['encode'] / 1e9:.3f} GB/s", f"{cpu['decode'] / 1e9:.3f} GB/s",
+        fmt_ratio(proj_save), fmt_ratio(proj_load),
+    ]
     hash_row = [
         name, fmt_rate(raw, h["with"]), fmt_rate(raw, h["without"]), f"{hash_overhead * 100:+.1f} %",
         fmt_rate(raw, hash_seconds), f"{hash_share * 100:.1f} %", _target_cell(hash_share, HASH_TARGET, at_most=True, percent=True),
@@ -196,20 +226,21 @@ def _one_dtype(root: str, dtype: str, total: int, reps: int) -> dict[str, Any]:
         [f"{name} cold load, zstd vs uncompressed", fmt_rate(raw, ld["zstd"]), fmt_rate(raw, ld["raw"]),
          fmt_ratio(load_ratio)],
     ]
-    return {"rows": rows, "hash_row": hash_row, "summary": summary, "raw": raw}
+    return {"rows": rows, "hash_row": hash_row, "cpu_row": cpu_row, "summary": summary, "raw": raw}
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
     """Compression and checksums: stored/raw, durable save and cold load, checksum cost."""
     total = sized(quick, full=512 * MiB, quick_size=96 * MiB, smoke=2 * MiB)
     reps = sized(quick, full=5, quick_size=3, smoke=1)
-    rows, hash_rows, summary = [], [], []
+    rows, hash_rows, cpu_rows, summary = [], [], [], []
     warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
     with bench_dir("compression") as root:
         for dtype in ("bfloat16", "float32"):
             out = _one_dtype(root, dtype, total, reps)
             rows += out["rows"]
             hash_rows.append(out["hash_row"])
+            cpu_rows.append(out["cpu_row"])
             summary += out["summary"]
             nbytes = out["raw"]
     cores = os.cpu_count()
@@ -240,18 +271,32 @@ def run(quick: bool) -> list[dict[str, Any]]:
     }
     checksum = {
         "title": "Checksum cost: uncompressed durable save with and without XXH3-128 per frame",
-        "columns": ["weights", "save with hash", "save without hash", "difference", "XXH3-128 alone",
+        "columns": ["weights", "save with hash", "save without hash", "difference", "XXH3-128 (1 core)",
                     "hash time / save time", "target"],
         "rows": hash_rows,
         "notes": [
             "'save without hash' replaces shardstore.codec.frame_hash with a constant in this process only. "
             "On a shared, busy machine the difference of two durable saves is within the noise; 'hash time / "
-            "save time' (the time to hash the same bytes in 4 MiB frames, single thread, over the median "
+            "save time' (CPU seconds of one thread to hash the same bytes in 4 MiB frames, over the median "
             "uncompressed save) is the steadier measure of the cost, and an upper bound: the writer hashes a "
             "frame while the previous ones sit in the page cache.",
         ],
     }
-    return [compression, checksum]
+    cpu = {
+        "title": "CPU cost per core (thread CPU time) and what it implies on an idle machine",
+        "columns": ["weights", "XXH3-128", "zstd encode (byte-grouped)", "zstd decode", "projected save speedup",
+                    "projected load ratio"],
+        "rows": cpu_rows,
+        "notes": [
+            "Raw bytes per CPU-second of one thread (time.thread_time), single-threaded over every 4 MiB frame "
+            "of the state: what one free core does, whatever else the machine runs.",
+            f"Projections for an idle machine with all {cores} cores encoding or decoding, with this run's dd rates: "
+            "save speedup = (raw / dd write) / (raw / (cores x encode) + stored / dd write); "
+            "load ratio = (raw / dd read) / (stored / dd read + raw / (cores x decode)). They assume no overlap "
+            "of CPU and disk, as the writer fsyncs each file at its end.",
+        ],
+    }
+    return [compression, checksum, cpu]
 
 
 if __name__ == "__main__":

@@ -126,10 +126,12 @@ class Index:
     def to_metadata(self) -> Metadata:
         """The DCP ``Metadata`` that DCP's load planner computes read items from."""
         md: dict[str, Any] = {}
+        size_cache: dict[tuple[int, ...], torch.Size] = {}  # chunks of a tensor mostly share sizes
         for fqn, t in self.tensors.items():
+            sizes = [tuple(s) for s in t.sizes.tolist()]
             chunks = [
-                ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
-                for o, s in zip(t.offsets.tolist(), t.sizes.tolist())
+                ChunkStorageMetadata(offsets=torch.Size(o), sizes=size_cache.get(s) or size_cache.setdefault(s, torch.Size(s)))
+                for o, s in zip(t.offsets.tolist(), sizes)
             ]
             md[fqn] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=t.dtype), size=torch.Size(t.shape), chunks=chunks
@@ -182,35 +184,21 @@ def build_index(
             keyed by ``(base, path)`` as the chunks name them.
         user: free-form msgpack-able metadata (the manager's step, say).
     """
-    file_ids: dict[tuple[str | None, str], int] = {}
-    file_list: list[FileEntry] = []
-    sizes_per_file: dict[tuple[str | None, str], int] = {}
     external = files or {}
-    per_tensor: dict[str, list[tuple[tuple[int, ...], StoredChunk]]] = {}
+    per_tensor: dict[str, list[WriteResult]] = {}
     values: dict[str, bytes] = {}
-    for rank_results in results:
+    for rank_results in results:  # the one pass over every chunk: keep it lean
         for wr in rank_results:
-            sd = wr.storage_data
-            if isinstance(sd, StoredValue):
-                values[wr.index.fqn] = sd.data
-                continue
-            if not isinstance(sd, StoredChunk):
-                raise InvalidCheckpointError(f"unexpected write result for {wr.index.fqn}: {type(sd).__name__}")
-            per_tensor.setdefault(wr.index.fqn, []).append((tuple(wr.index.offset or ()), sd))
-            key = (sd.base, sd.file)
-            end = sd.pos + int(np.frombuffer(sd.lens, dtype="<i8").sum())
-            if sizes_per_file.get(key, 0) < end:
-                sizes_per_file[key] = end
+            if type(wr.storage_data) is StoredChunk:
+                per_tensor.setdefault(wr.index.fqn, []).append(wr)
+            elif isinstance(wr.storage_data, StoredValue):
+                values[wr.index.fqn] = wr.storage_data.data
+            else:
+                raise InvalidCheckpointError(
+                    f"unexpected write result for {wr.index.fqn}: {type(wr.storage_data).__name__}"
+                )
 
-    def file_id(sd: StoredChunk) -> int:
-        key = (sd.base, sd.file)
-        fid = file_ids.get(key)
-        if fid is None:
-            fid = file_ids[key] = len(file_list)
-            entry = external.get(key) or FileEntry(path=sd.file, size=sizes_per_file[key], base=sd.base)
-            file_list.append(entry)
-        return fid
-
+    file_ids: dict[tuple[str | None, str], int] = {}
     tensors: dict[str, TensorEntry] = {}
     for fqn, chunks in per_tensor.items():
         smd = metadata.state_dict_metadata.get(fqn)
@@ -218,21 +206,34 @@ def build_index(
             raise InvalidCheckpointError(f"write result for {fqn!r} has no tensor metadata")
         ndim = len(smd.size)
         n = len(chunks)
-        nframes = np.fromiter((len(sd.codecs) for _, sd in chunks), dtype=np.int64, count=n)
+        sds = [wr.storage_data for wr in chunks]
+        nframes = np.fromiter(map(len, (sd.codecs for sd in sds)), dtype=np.int64, count=n)
         frame_start = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(nframes, out=frame_start[1:])
+        keys = [(sd.base, sd.file) for sd in sds]
         tensors[fqn] = TensorEntry(
             dtype=smd.properties.dtype,
             shape=tuple(smd.size),
-            offsets=np.array([o for o, _ in chunks], dtype=np.int64).reshape(n, ndim),
-            sizes=np.array([sd.sizes for _, sd in chunks], dtype=np.int64).reshape(n, ndim),
-            file=np.fromiter((file_id(sd) for _, sd in chunks), dtype=np.int32, count=n),
-            pos=np.fromiter((sd.pos for _, sd in chunks), dtype=np.int64, count=n),
+            offsets=np.array([wr.index.offset or () for wr in chunks], dtype=np.int64).reshape(n, ndim),
+            sizes=np.array([sd.sizes for sd in sds], dtype=np.int64).reshape(n, ndim),
+            file=np.fromiter((file_ids.setdefault(k, len(file_ids)) for k in keys), dtype=np.int32, count=n),
+            pos=np.fromiter((sd.pos for sd in sds), dtype=np.int64, count=n),
             frame_start=frame_start,
-            frame_len=np.frombuffer(b"".join(sd.lens for _, sd in chunks), dtype="<i8").astype(np.int64),
-            frame_codec=np.frombuffer(b"".join(sd.codecs for _, sd in chunks), dtype=np.uint8),
-            frame_hash=np.frombuffer(b"".join(sd.hashes for _, sd in chunks), dtype=np.uint8).reshape(-1, HASH_SIZE),
+            frame_len=np.frombuffer(b"".join([sd.lens for sd in sds]), dtype="<i8").astype(np.int64),
+            frame_codec=np.frombuffer(b"".join([sd.codecs for sd in sds]), dtype=np.uint8),
+            frame_hash=np.frombuffer(b"".join([sd.hashes for sd in sds]), dtype=np.uint8).reshape(-1, HASH_SIZE),
         )
+
+    # A data file's size is where its last chunk ends (vectorised over every tensor's chunks).
+    file_end = np.zeros(len(file_ids), dtype=np.int64)
+    for t in tensors.values():
+        excl = np.zeros(len(t.frame_len) + 1, dtype=np.int64)
+        np.cumsum(t.frame_len, out=excl[1:])
+        np.maximum.at(file_end, t.file, t.pos + excl[t.frame_start[1:]] - excl[t.frame_start[:-1]])
+    file_list = [
+        external.get(key) or FileEntry(path=key[1], size=int(file_end[fid]), base=key[0])
+        for key, fid in sorted(file_ids.items(), key=lambda kv: kv[1])
+    ]
     return Index(
         frame_size=frame_size,
         world_size=len(results),

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from shardstore.backends import Backend, open_backend, sibling_url
-from shardstore.codec import Codec, decode_frame, frame_hash
+from shardstore.codec import decode_frame, frame_hash
 from shardstore.config import ReadOptions
 from shardstore.errors import CorruptCheckpointError, InvalidCheckpointError, TruncatedFileError
 from shardstore.index import FileEntry, Index, TensorEntry
@@ -146,28 +146,21 @@ def frame_positions(t: TensorEntry) -> np.ndarray:
     return np.repeat(t.pos, counts) + excl[:-1] - excl[first]
 
 
-def _frames_by_file(index: Index) -> tuple[dict[int, list[_Frame]], list[_Bad]]:
-    """Every frame of the index grouped by data file, plus chunks whose frame table is inconsistent."""
+def _frames_by_file(index: Index) -> dict[int, list[_Frame]]:
+    """Every frame of the index grouped by data file (``decode_index`` checked the tables agree)."""
     fs = index.frame_size
     by_file: dict[int, list[_Frame]] = {}
-    bad: list[_Bad] = []
     for fqn, t in index.tensors.items():
         fpos = frame_positions(t)
         for c in range(len(t.pos)):
             g0, g1 = int(t.frame_start[c]), int(t.frame_start[c + 1])
             raw = t.raw_nbytes(c)
-            fid = int(t.file[c])
-            if g1 - g0 != -(-raw // fs):
-                reason = f"the index lists {g1 - g0} frames for {raw} raw bytes (frame size {fs})"
-                whole = _Frame(fqn, c, g0, int(t.pos[c]), int(t.frame_len[g0:g1].sum()), Codec.RAW, 0, b"")
-                bad.append(_Bad(whole, fid, reason))
-                continue
-            by_file.setdefault(fid, []).extend(
+            by_file.setdefault(int(t.file[c]), []).extend(
                 _Frame(fqn, c, g, int(fpos[g]), int(t.frame_len[g]), int(t.frame_codec[g]),
                        min(fs, raw - (g - g0) * fs), t.frame_hash[g].tobytes())
                 for g in range(g0, g1)
             )
-    return by_file, bad
+    return by_file
 
 
 def _cut_ranges(frames: list[_Frame], max_range: int) -> list[list[_Frame]]:
@@ -303,7 +296,8 @@ def _verify(
     progress: ProgressCallback | None,
 ) -> VerifyReport:
     """Check every value, file size and frame of ``index``; ``locations[i]`` holds file ``i``."""
-    by_file, bad = _frames_by_file(index)
+    by_file = _frames_by_file(index)
+    bad: list[_Bad] = []
     report = VerifyReport(
         checkpoint=url,
         files=len(index.files),

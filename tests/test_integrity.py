@@ -330,13 +330,14 @@ def test_garbage_index_is_a_clear_error_for_verify(zstd_ckpt, capsys):
 
 
 def _edit_index(ckpt: str, edit) -> None:
+    """Edit the decoded index and write it back re-sealed (a valid ``index_hash`` over the edited
+    map), so that the edit must be caught by the index's own consistency checks."""
     path = os.path.join(ckpt, INDEX_NAME)
     doc = msgpack.unpackb(open(path, "rb").read(), raw=False)
     edit(doc)
-    data = msgpack.packb(doc, use_bin_type=True)
-    if "checksum" in doc:  # re-seal the index's own checksum (last entry, over all bytes before the
-        data = data[:-16] + xxhash.xxh3_128_digest(data[:-16])  # digest), so validation must catch it
-    open(path, "wb").write(data)
+    doc.pop("index_hash")
+    doc["index_hash"] = xxhash.xxh3_128_digest(msgpack.packb(doc, use_bin_type=True))
+    open(path, "wb").write(msgpack.packb(doc, use_bin_type=True))
 
 
 def _set_frame_len(doc: dict, value: int) -> None:
@@ -352,19 +353,30 @@ def _set_chunk_rows(doc: dict, rows: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "edit",
+    "edit, message",
     [
-        lambda d: _set_frame_len(d, 1 << 40),  # frames past the end of their file
-        lambda d: d["tensors"]["wb"].update(frame_codec=b"\x09" * 8),  # unknown codec
-        lambda d: _set_chunk_rows(d, 32),  # frame count no longer matches the chunk's bytes
+        (lambda d: _set_frame_len(d, 1 << 40), "past the end of their data file"),
+        (lambda d: d["tensors"]["wb"].update(frame_codec=b"\x09" * 8), "unknown frame codec"),
+        (lambda d: _set_chunk_rows(d, 32), "frame counts that do not match"),
     ],
     ids=["frame-past-file-end", "unknown-codec", "frames-vs-chunk-size"],
 )
-def test_inconsistent_index_is_refused_when_opened(zstd_ckpt, edit):
+def test_inconsistent_index_is_refused_when_opened(zstd_ckpt, edit, message):
     """Well-formed msgpack whose tables contradict each other: refused before any data is read."""
     _edit_index(zstd_ckpt, edit)
-    with pytest.raises(InvalidCheckpointError, match=re.escape(zstd_ckpt)):
+    with pytest.raises(InvalidCheckpointError, match=message) as info:
         ShardReader(zstd_ckpt)
+    assert zstd_ckpt in str(info.value)
+
+
+def test_index_that_fails_its_own_checksum_is_refused(zstd_ckpt):
+    path = os.path.join(zstd_ckpt, INDEX_NAME)
+    doc = msgpack.unpackb(open(path, "rb").read(), raw=False)
+    doc["values"]["step"] = msgpack.packb(10)  # a plausible value, not re-sealed
+    open(path, "wb").write(msgpack.packb(doc, use_bin_type=True))
+    with pytest.raises(InvalidCheckpointError, match="checksum") as info:
+        ShardReader(zstd_ckpt)
+    assert zstd_ckpt in str(info.value)
 
 
 def test_every_flipped_byte_in_the_index_is_an_invalid_checkpoint(zstd_ckpt):
