@@ -5,17 +5,21 @@ own process on 127.0.0.1, started here): a 2-rank save of bf16/fp32 DTensor shar
 2-rank load, shardstore (parallel multipart uploads, merged concurrent ranged GETs) against DCP's
 ``FsspecWriter``/``FsspecReader`` on the same endpoint with the same credentials (s3fs
 underneath: one file per rank uploaded part after part, reads through s3fs's read-ahead
-buffer). Targets: >= 2x on save and on load.
+buffer). Targets: >= 2x on save and on load. shardstore runs twice: with a new backend (and S3
+client) per save/load, which is what ``ShardWriter("s3://...")`` does, and with a child of a
+long-lived backend, which is what ``CheckpointManager`` does.
 
-Why a moto log: throughput on an object store is requests as much as bytes, so every case also
-reports how many HTTP requests it made and at what rate. They are counted from moto's own
-request log (one werkzeug line per request, written after the answer), cut between cases by a
-sentinel request, so nothing sits between client and server and both sides are counted the
-same way. The "raw limit" row is what the server takes with no checkpoint format at all: each
-rank PUTs (then GETs) its share as whole ``part_size`` objects, all at once, through s3fs.
+Why a moto log and CPU seconds: throughput on an object store is requests as much as bytes, so
+every case reports how many HTTP requests it made and at what rate, counted from moto's own
+request log (one werkzeug line per request, written after the answer) cut between cases by a
+sentinel request, so nothing sits between client and server. And moto is a Python process on
+the same few cores as the ranks, so every case also reports the CPU seconds the ranks and the
+server used: on a shared machine those say more about cost than wall time. The "raw limit" row
+is what the server takes with no checkpoint format at all: each rank PUTs (then GETs) its share
+as whole ``part_size`` objects, all at once, through s3fs.
 
-A second table sweeps the S3 backend's ``part_size`` and ``max_concurrency``, to check the
-defaults on this setup.
+A second table (full runs only) sweeps the S3 backend's ``part_size`` and ``max_concurrency``,
+to check the defaults on this setup.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 import os
 import re
@@ -74,7 +79,7 @@ MOTO_START_S = 60.0
 
 #: DCP writer variants: the default (one I/O thread per rank) and one with as many threads as
 #: ShardWriter uses files per rank, so the comparison is not only "threads vs no threads".
-DCP_THREADS = (1, 2)
+DCP_THREADS = (1, WriteOptions().threads)
 
 
 # --------------------------------------------------------------------------- the server
@@ -222,8 +227,32 @@ def moto_server(logdir: str) -> Iterator[MotoServer]:
 # --------------------------------------------------------------------------- on every rank
 
 
-def _backend(url: str, so: dict[str, Any], opts: dict[str, Any]) -> S3Backend:
-    return S3Backend(url, storage_options=so, **opts)
+#: Long-lived root backends of this rank process, by options (the "client reused" cases).
+_ROOTS: dict[str, S3Backend] = {}
+
+
+def _root(so: dict[str, Any], opts: dict[str, Any]) -> S3Backend:
+    """This process's long-lived backend on the bucket: its S3 client is made once, then reused."""
+    key = json.dumps([so, opts], sort_keys=True)
+    if key not in _ROOTS:
+        _ROOTS[key] = S3Backend(f"s3://{BUCKET}", storage_options=so, **opts)
+        _ROOTS[key].exists(".warm")  # creates the client and opens a connection
+    return _ROOTS[key]
+
+
+@contextlib.contextmanager
+def _storage(url: str, kind: str, so: dict[str, Any], opts: dict[str, Any]) -> Iterator[S3Backend]:
+    """The backend a case uses: a new one per save/load (``shardstore``), or a child of the
+    process's long-lived root backend, sharing its client (``shardstore-reuse``, what
+    ``CheckpointManager`` does)."""
+    if kind == "shardstore-reuse":
+        yield _root(so, opts).child(url.removeprefix(f"s3://{BUCKET}/"))
+        return
+    backend = S3Backend(url, storage_options=so, **opts)
+    try:
+        yield backend
+    finally:
+        backend.close()
 
 
 def _collective(fn: Callable[[], Any]) -> tuple[float, float, Any]:
@@ -233,58 +262,51 @@ def _collective(fn: Callable[[], Any]) -> tuple[float, float, Any]:
     return seconds, time.process_time() - cpu0, result
 
 
-def rank_warm(url: str, so: dict[str, Any]) -> None:
-    """Load botocore's S3 model and open s3fs's cached filesystem before anything is timed."""
+def rank_warm(so: dict[str, Any], opts: dict[str, Any]) -> None:
+    """Load botocore's S3 model, open s3fs's cached filesystem and the long-lived root backend."""
     import fsspec.core
 
-    backend = _backend(url, so, {})
-    try:
+    with _storage(f"s3://{BUCKET}/warm", "shardstore", so, opts) as backend:
         backend.list()
-    finally:
-        backend.close()
-    fs, root = fsspec.core.url_to_fs(url, **so)
-    fs.ls(root.partition("/")[0])
+    _root(so, opts)
+    fs, _ = fsspec.core.url_to_fs(f"s3://{BUCKET}", **so)
+    fs.ls(BUCKET)
+
+
+def rank_child_shares_client(so: dict[str, Any]) -> bool:
+    """Whether ``S3Backend.child`` shares its parent's S3 client and in-flight limit here."""
+    root = _root(so, {"part_size": DEFAULT_PART_SIZE, "max_concurrency": DEFAULT_MAX_CONCURRENCY})
+    child = root.child("probe")
+    return child._fs is root._fs and child._slots is root._slots
 
 
 def rank_save(url: str, kind: str, total: int, so: dict[str, Any], opts: dict[str, Any]) -> tuple[float, float]:
     """Save this rank's shards to ``url``; return (seconds, CPU seconds), writer creation included."""
     state = make_sharded_state(total, DTYPES, NTENSORS, seed=0, cache=True)
-    backends: list[S3Backend] = []
 
     def save() -> None:
-        if kind == "shardstore":
-            backends.append(_backend(url, so, opts))
-            writer: Any = ShardWriter(backends[0])
-        else:
-            writer = FsspecWriter(url, thread_count=opts["thread_count"], **so)
-        dcp.save(state, storage_writer=writer)
+        if kind == "dcp":
+            dcp.save(state, storage_writer=FsspecWriter(url, thread_count=opts["thread_count"], **so))
+            return
+        with _storage(url, kind, so, opts) as backend:
+            dcp.save(state, storage_writer=ShardWriter(backend))
 
-    try:
-        seconds, cpu, _ = _collective(save)
-    finally:
-        for b in backends:
-            b.close()
+    seconds, cpu, _ = _collective(save)
     return seconds, cpu
 
 
 def rank_load(url: str, kind: str, total: int, so: dict[str, Any], opts: dict[str, Any]) -> tuple[float, float]:
     """Load ``url`` into empty shards; return (seconds, CPU seconds); raise if a shard differs."""
     state = make_sharded_state(total, DTYPES, NTENSORS, empty=True, cache=True)
-    backends: list[S3Backend] = []
 
     def load() -> None:
-        if kind == "shardstore":
-            backends.append(_backend(url, so, opts))
-            reader: Any = ShardReader(backends[0])
-        else:
-            reader = FsspecReader(url, **so)
-        dcp.load(state, storage_reader=reader)
+        if kind == "dcp":
+            dcp.load(state, storage_reader=FsspecReader(url, **so))
+            return
+        with _storage(url, kind, so, opts) as backend:
+            dcp.load(state, storage_reader=ShardReader(backend))
 
-    try:
-        seconds, cpu, _ = _collective(load)
-    finally:
-        for b in backends:
-            b.close()
+    seconds, cpu, _ = _collective(load)
     want = make_sharded_state(total, DTYPES, NTENSORS, seed=0, cache=True)
     bad = [k for k in want if not torch.equal(state[k].to_local(), want[k].to_local())]
     if bad:
@@ -312,8 +334,10 @@ def rank_raw(url: str, op: str, nbytes: int, part: int, so: dict[str, Any]) -> t
 
 
 def rank_clear() -> None:
-    """Free the states this benchmark cached in the rank processes."""
+    """Free the states and close the backends this benchmark kept in the rank processes."""
     clear_state_cache()
+    while _ROOTS:
+        _ROOTS.popitem()[1].close()
 
 
 # --------------------------------------------------------------------------- driver
@@ -398,6 +422,19 @@ def _keep_last(server: MotoServer) -> Callable[[str], None]:
     return keep
 
 
+def _reuse_note(shares: bool | None) -> str:
+    """What the 'client reused' rows mean, and whether ``S3Backend.child`` really shares the client."""
+    if shares is None:
+        return ""
+    text = ("'root.child(name)' is a child of a backend the rank made once (before timing) for the bucket, as "
+            "CheckpointManager does, meant to share its S3 client and connections (DCP's s3fs filesystem is "
+            "likewise made once per process and cached by fsspec). ")
+    if shares:
+        return text + "Checked: the child shares its root's client. "
+    return text + ("Checked: it does NOT here (S3Backend.child() builds a new client and in-flight limit), so "
+                   "that row pays for a new client too. ")
+
+
 def _bottleneck(cases: _Cases, nbytes: int, load0: float, load1: float) -> str:
     """What the CPU numbers say about the limit, in one note."""
 
@@ -431,7 +468,7 @@ def _bottleneck(cases: _Cases, nbytes: int, load0: float, load1: float) -> str:
     )
 
 
-def _compare(server: MotoServer, total: int, reps: int) -> dict[str, Any]:
+def _compare(server: MotoServer, total: int, reps: int, *, quick: bool) -> dict[str, Any]:
     so = server.storage_options
     nbytes = layout_bytes(total, DTYPES, NTENSORS)
     per_rank = nbytes // WORLD
@@ -439,7 +476,9 @@ def _compare(server: MotoServer, total: int, reps: int) -> dict[str, Any]:
     cases = _Cases(server)
     default = {"part_size": DEFAULT_PART_SIZE, "max_concurrency": DEFAULT_MAX_CONCURRENCY}
     kinds: dict[str, tuple[str, dict[str, Any]]] = {"shardstore": ("shardstore", default)}
-    dcp_threads = DCP_THREADS[:1] if is_smoke() else DCP_THREADS
+    if not is_smoke():
+        kinds["shardstore-reuse"] = ("shardstore-reuse", default)
+    dcp_threads = DCP_THREADS[:1] if quick else DCP_THREADS
     for n in dcp_threads:
         kinds[f"dcp-t{n}"] = ("dcp", {"thread_count": n})
     counter = itertools.count()
@@ -460,10 +499,12 @@ def _compare(server: MotoServer, total: int, reps: int) -> dict[str, Any]:
 
     save_cases = {f"save {n}": cases.timed(f"save {n}", functools.partial(save, n),
                                            lambda n=n: keepers[n](latest[n])) for n in kinds}
-    load_cases = {f"load {n}": cases.timed(f"load {n}", functools.partial(load, n)) for n in ("shardstore", "dcp-t1")}
+    load_cases = {f"load {n}": cases.timed(f"load {n}", functools.partial(load, n))
+                  for n in kinds if n.startswith("shardstore") or n == "dcp-t1"}
     if not is_smoke():
         save_cases["save raw"] = cases.timed("save raw", functools.partial(raw, "put"))
         load_cases["load raw"] = cases.timed("load raw", functools.partial(raw, "get"))
+    shares = None if "shardstore-reuse" not in kinds else all(run_ranks(WORLD, rank_child_shares_client, so))
     load0 = os.getloadavg()[0]
     alternate(save_cases, reps=reps)
     alternate(load_cases, reps=reps)
@@ -473,10 +514,12 @@ def _compare(server: MotoServer, total: int, reps: int) -> dict[str, Any]:
 
     parts = f"part_size={fmt_bytes(DEFAULT_PART_SIZE)}, max_concurrency={DEFAULT_MAX_CONCURRENCY}"
     labels = {
-        "save shardstore": f"ShardWriter ({parts})",
+        "save shardstore": f"ShardWriter(S3Backend(url, {parts}))",
+        "save shardstore-reuse": "ShardWriter(root.child(name)): S3 client reused",
         **{f"save dcp-t{n}": f"DCP FsspecWriter(thread_count={n})" for n in dcp_threads},
         "save raw": f"raw limit: concurrent PutObject of {fmt_bytes(raw_part)}",
-        "load shardstore": f"ShardReader ({parts})",
+        "load shardstore": f"ShardReader(S3Backend(url, {parts}))",
+        "load shardstore-reuse": "ShardReader(root.child(name)): S3 client reused",
         "load dcp-t1": "DCP FsspecReader",
         "load raw": f"raw limit: concurrent GetObject of {fmt_bytes(raw_part)}",
     }
@@ -504,7 +547,8 @@ def _compare(server: MotoServer, total: int, reps: int) -> dict[str, Any]:
         "rows": rows,
         "notes": [
             f"Medians of {reps} alternated repetitions; time is the slowest rank's, between barriers, with the "
-            "writer/reader (and its S3 client) created inside it. MB/s = checkpoint tensor bytes / time "
+            "writer/reader created inside it. 'S3Backend(url, ...)' is what ShardWriter(url) does: a new S3 "
+            "client per save/load. " + _reuse_note(shares) + "MB/s = checkpoint tensor bytes / time "
             "(decimal MB). 'vs DCP default' = DCP FsspecWriter(thread_count=1)/FsspecReader time / this row's "
             "time; > 1 means faster (targets for shardstore: >= 2x). Every load was checked equal to the saved "
             "shards.",
@@ -545,11 +589,13 @@ def _sweep(server: MotoServer, total: int, reps: int, configs: list[tuple[int, i
 
     def save(name: str) -> list[tuple[float, float]]:
         latest[name] = f"s3://{BUCKET}/sweep-{next(counter)}"
-        return run_ranks(WORLD, rank_save, latest[name], "shardstore", total, so, names[name])
+        return run_ranks(WORLD, rank_save, latest[name], "shardstore-reuse", total, so, names[name])
 
     def load(name: str) -> list[tuple[float, float]]:
-        return run_ranks(WORLD, rank_load, latest[name], "shardstore", total, so, names[name])
+        return run_ranks(WORLD, rank_load, latest[name], "shardstore-reuse", total, so, names[name])
 
+    for opts in names.values():
+        run_ranks(WORLD, rank_warm, so, opts)
     alternate({n: cases.timed(f"save {n}", functools.partial(save, n), lambda n=n: keepers[n](latest[n]))
                for n in names}, reps=reps)
     alternate({n: cases.timed(f"load {n}", functools.partial(load, n)) for n in names}, reps=reps)
@@ -577,7 +623,8 @@ def _sweep(server: MotoServer, total: int, reps: int, configs: list[tuple[int, i
                     f"save vs {ref}", "load MB/s", "load requests", "load moto CPU s", f"load vs {ref}"],
         "rows": rows,
         "notes": [
-            f"ShardWriter/ShardReader given S3Backend(url, part_size=..., max_concurrency=...); medians of {reps} "
+            "ShardWriter/ShardReader given a child of a long-lived S3Backend(bucket, part_size=..., "
+            f"max_concurrency=...) per rank (client made before timing); medians of {reps} "
             f"alternated repetitions. Fastest here: save {best_s}, load {best_l} (default {default}).",
             f"Each rank writes {WriteOptions().threads} data objects of about {fmt_bytes(file_size)}. part_size is "
             "also the size of one ranged GET; max_concurrency bounds parts in flight per rank (writes) and GETs "
@@ -603,9 +650,10 @@ def run(quick: bool) -> list[dict[str, Any]]:
     with bench_dir("s3") as d, moto_server(d) as server:
         try:
             logger.info("moto server up at %s after %.1f s", server.endpoint_url, time.perf_counter() - t0)
-            run_ranks(WORLD, rank_warm, f"s3://{BUCKET}", server.storage_options)
+            default = {"part_size": DEFAULT_PART_SIZE, "max_concurrency": DEFAULT_MAX_CONCURRENCY}
+            run_ranks(WORLD, rank_warm, server.storage_options, default)
             logger.info("ranks warm after %.1f s", time.perf_counter() - t0)
-            tables = [_compare(server, total, reps)]
+            tables = [_compare(server, total, reps, quick=quick or is_smoke())]
             logger.info("comparison done after %.1f s", time.perf_counter() - t0)
             if configs:
                 tables.append(_sweep(server, sweep_total, sweep_reps, configs))

@@ -193,3 +193,10 @@ def test_paths_cannot_leave_the_root(case: Case, bad: str) -> None:
         b.publish(bad, b"x", overwrite=True)
     with pytest.raises(InvalidCheckpointError):
         b.child(bad)
+
+
+def test_s3_child_shares_the_parent_client_and_in_flight_limit(s3_url):
+    root = s3_url.backend()
+    child = root.child("step-1")
+    assert child._fs is root._fs and child._slots is root._slots
+    assert child.url == f"{root.url}/step-1"

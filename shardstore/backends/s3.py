@@ -394,6 +394,13 @@ class S3Backend(Backend):
         """Key prefixes under which the objects below ``logical`` are stored."""
         return [h + "/" + logical for h in SPREAD_PREFIXES] if self.key_prefix_spread else [logical]
 
+    def __copy__(self) -> S3Backend:
+        # A shallow copy shares the client, loop and in-flight limit; __reduce__ (for pickling
+        # to other processes) would build a new client instead.
+        sub = object.__new__(type(self))
+        sub.__dict__.update(self.__dict__)
+        return sub
+
     def child(self, name: str) -> S3Backend:
         rel = check_relpath(name)
         sub = copy.copy(self)  # shares the client, loop and in-flight limit
