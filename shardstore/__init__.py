@@ -4,6 +4,11 @@ Public surface::
 
     dcp.save(state_dict, storage_writer=ShardWriter(path))
     dcp.load(state_dict, storage_reader=ShardReader(path))
+    dcp.async_save(state_dict, storage_writer=ShardWriter(path))
+
+    mgr = CheckpointManager("s3://bucket/run", keep_last=3)
+    mgr.save(step, {"app": app_state})
+    step = mgr.restore({"app": app_state})
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from shardstore.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidCheckpointError,
+    LeaseError,
+    LeaseHeldError,
+    LeaseLostError,
     ShardstoreError,
     StateMismatchError,
     StorageError,
@@ -21,12 +29,22 @@ from shardstore.errors import (
     UnsupportedValueError,
     unwrap_error,
 )
+from shardstore.async_save import AsyncSaver, async_save
+from shardstore.manager import CheckpointInfo, CheckpointManager, list_checkpoints
 from shardstore.reader import ShardReader
+from shardstore.stateful import PerRank, TrainState
 from shardstore.writer import ShardWriter
 
 __all__ = [
     "ShardWriter",
     "ShardReader",
+    "CheckpointManager",
+    "CheckpointInfo",
+    "list_checkpoints",
+    "TrainState",
+    "PerRank",
+    "async_save",
+    "AsyncSaver",
     "ShardstoreError",
     "CheckpointNotFoundError",
     "CheckpointExistsError",
@@ -38,5 +56,8 @@ __all__ = [
     "StorageError",
     "unwrap_error",
     "AsyncSaveInProgressError",
+    "LeaseError",
+    "LeaseHeldError",
+    "LeaseLostError",
 ]
 __version__ = "0.1.0"

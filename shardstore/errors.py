@@ -58,6 +58,18 @@ class AsyncSaveInProgressError(ShardstoreError, RuntimeError):
     """A save was refused because the previous async save is still running (``if_busy="raise"``)."""
 
 
+class LeaseError(ShardstoreError, RuntimeError):
+    """Base class of lease failures."""
+
+
+class LeaseHeldError(LeaseError):
+    """Another live job holds the lease of the root."""
+
+
+class LeaseLostError(LeaseError):
+    """This job held the lease, but another job has taken it over since."""
+
+
 def unwrap_error(exc: BaseException) -> BaseException:
     """The original error behind DCP's ``CheckpointException``, or ``exc`` itself.
 

@@ -23,7 +23,8 @@ the claimant refuses with :class:`LeaseHeldError` naming the owner.
 
 Fencing: before each commit and each deletion the owner makes sure it still holds the lease
 (:meth:`Lease.verify`): from the times of its recent heartbeats when they prove that no one can
-have watched it stand still for ``ttl``, else by listing ``_lease/`` again. A newer generation means another job took over (this one stalled for longer
+have watched it stand still for ``ttl``, else by listing ``_lease/`` again. A newer generation
+means another job took over (this one stalled for longer
 than ``ttl``) and it stops with :class:`LeaseLostError`. A stall of more than ``ttl`` between
 that check and the commit itself cannot be excluded; pick ``ttl`` well above the longest pause a
 job can see (the default is 60 s).
@@ -42,25 +43,13 @@ from typing import Any
 import msgpack
 
 from shardstore.backends import Backend
-from shardstore.errors import CheckpointExistsError, ShardstoreError
+from shardstore.errors import CheckpointExistsError, LeaseError, LeaseHeldError, LeaseLostError, ShardstoreError
 
 logger = logging.getLogger(__name__)
 
 LEASE_DIR = "_lease"
 
 __all__ = ["Lease", "LeaseError", "LeaseHeldError", "LeaseLostError", "LEASE_DIR"]
-
-
-class LeaseError(ShardstoreError, RuntimeError):
-    """Base class of lease failures."""
-
-
-class LeaseHeldError(LeaseError):
-    """Another live job holds the lease of the root."""
-
-
-class LeaseLostError(LeaseError):
-    """This job held the lease, but another job has taken it over since."""
 
 
 def _owner_name(gen: int) -> str:
@@ -133,7 +122,9 @@ class Lease:
             self._wait_until_free(gens[-1])
             gen = gens[-1] + 1
         claimed_at = time.monotonic()
-        me = {"owner": self.owner_id, "host": socket.gethostname(), "pid": os.getpid(), "created": time.time(), "ttl": self.ttl}
+        me = {
+            "owner": self.owner_id, "host": socket.gethostname(), "pid": os.getpid(), "created": time.time(), "ttl": self.ttl,
+        }
         try:
             self.backend.publish(_owner_name(gen), msgpack.packb(me), overwrite=False)
         except CheckpointExistsError:
@@ -217,11 +208,15 @@ class Lease:
             return
         poll = min(max(self.ttl / 8, 0.02), 2.0)
         deadline = time.monotonic() + self.ttl
-        logger.info("lease of %s has an owner (%s); watching its heartbeat for %.1f s", self.backend.url, self._describe(gen), self.ttl)
+        logger.info(
+            "lease of %s has an owner (%s); watching its heartbeat for %.1f s", self.backend.url, self._describe(gen), self.ttl
+        )
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                logger.warning("lease of %s: owner %s stopped beating; taking over", self.backend.url, self._describe(gen))
+                logger.warning(
+                    "lease of %s: owner %s stopped beating; taking over", self.backend.url, self._describe(gen)
+                )
                 return
             time.sleep(min(poll, left))
             gens = self._generations()

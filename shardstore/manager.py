@@ -31,9 +31,10 @@ Deletion protocol (coordinator only, never on other ranks):
   beside a committed index) are deleted once they cannot belong to a save in progress: the
   manager holds the root's lease, so the only saves in progress are its own, which it protects.
 * Deleting requires the lease; it is verified right before each deletion.
-* Cost: after a commit the coordinator lists only the new step's directory and reads its index;
-  it lists the whole root at its first gc, after a failed save or gc, on an explicit
-  :meth:`~CheckpointManager.gc` and every ``RESCAN_INTERVAL_S``.
+* Cost: after a commit the coordinator lists only the new step's directory (the files its index
+  references it knows from the save's write results); it lists the whole root at its first gc,
+  after a failed save or gc, on an explicit :meth:`~CheckpointManager.gc` and every
+  ``RESCAN_INTERVAL_S``.
 
 Restore on another world size: tensors are resharded by DCP's load planner. State that differs
 by rank (RNG, data loader position) is marked with :class:`~shardstore.stateful.PerRank` and
@@ -67,7 +68,7 @@ from shardstore.async_save import async_save as background_save
 from shardstore.backends import Backend, open_backend
 from shardstore.config import INDEX_NAME, WriteOptions
 from shardstore.errors import CheckpointNotFoundError, ShardstoreError, StateMismatchError
-from shardstore.index import Index, decode_index
+from shardstore.index import Index, StoredChunk, decode_index
 from shardstore.lease import Lease
 from shardstore.reader import ShardReader
 from shardstore.stateful import PerRank
@@ -144,9 +145,8 @@ class _Scan:
     @property
     def committed(self) -> list[int]:
         """Steps whose index exists, ascending."""
-        return sorted(
-            s for name, paths in self.files.items() if f"{name}/{INDEX_NAME}" in paths and (s := parse_step(name)) is not None
-        )
+        steps = (parse_step(name) for name, paths in self.files.items() if f"{name}/{INDEX_NAME}" in paths)
+        return sorted(s for s in steps if s is not None)
 
 
 def _scan(backend: Backend) -> _Scan:
@@ -225,16 +225,25 @@ def retained_steps(committed: Iterable[int], *, keep_last: int | None, keep_ever
 
 
 class _ManagedWriter(ShardWriter):
-    """A ShardWriter that verifies the manager's lease right before it commits (coordinator)."""
+    """A ShardWriter that verifies the manager's lease right before it commits (coordinator),
+    and remembers which data files the committed index references (so gc need not read it)."""
 
-    def __init__(self, path: Backend, *, lease: Lease | None, **kwargs: Any) -> None:
+    def __init__(self, path: Backend, *, name: str, lease: Lease | None, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
+        self._name = name
         self._lease = lease
+        self.references: set[str] | None = None
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self._lease is not None:
             self._lease.verify()
         super().finish(metadata, results)
+        self.references = {  # the index's file table: every file a chunk names
+            f"{wr.storage_data.base or self._name}/{wr.storage_data.file}"
+            for rank_results in results
+            for wr in rank_results
+            if isinstance(wr.storage_data, StoredChunk)
+        }
 
 
 @contextlib.contextmanager
@@ -302,10 +311,9 @@ class CheckpointManager:
         writer_options: Mapping[str, Any] | None = None,
         reader_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
-        if keep_every is not None and (isinstance(keep_every, bool) or not isinstance(keep_every, int) or keep_every < 1):
-            raise ValueError(f"keep_every must be a positive int or None, got {keep_every!r}")
+        for option, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{option} must be a positive int or None, got {value!r}")
         if keep_every is not None and keep_last is None:
             raise ValueError("keep_every only matters together with keep_last (without keep_last every step is kept)")
         if lease_ttl is not None and lease_ttl <= 0:
@@ -332,13 +340,13 @@ class CheckpointManager:
         self._gc_lock = threading.Lock()  # one gc at a time (background or explicit)
         self._seq = 0
         self._active: dict[int, tuple[str, str | None]] = {}  # seq -> (step dir, base dir) in flight
-        self._started: dict[int, tuple[str, str | None]] = {}  # seq -> same, every save since last gc
+        self._started: dict[int, tuple[str, str | None]] = {}  # seq -> same, saves the last gc may not know
         self._index_cache: dict[str, set[str]] = {}  # committed step dir -> files it references
         # The coordinator's picture of the root, kept up to date from its own commits and
         # deletions (it holds the lease, so no one else writes there); rescanned after a failure.
         self._view: _Scan | None = None
         self._scanned_at = 0.0
-        self._new_commits: list[str] = []
+        self._new_commits: list[tuple[str, set[str] | None]] = []  # (step dir, files it references)
         self._lease: Lease | None = None
         self._agreed = False  # first save's collective (lease + latest step) done
         self._latest: int | None = None  # newest committed step known to this job (all ranks)
@@ -391,11 +399,13 @@ class CheckpointManager:
         status, value = self._broadcast(result)
         if error is not None:
             raise error
-        if status == "error":
+        if status == "error":  # the coordinator's error, re-raised here with its type and message
             err_type, message = value
-            if isinstance(err_type, type) and issubclass(err_type, (ShardstoreError, ValueError, OSError, RuntimeError)):
-                raise err_type(message)
-            raise ShardstoreError(f"the coordinator rank failed: {err_type.__name__}: {message}")
+            try:
+                exc = err_type(message)
+            except TypeError:  # a type that takes other arguments
+                exc = ShardstoreError(f"the coordinator rank failed: {err_type.__name__}: {message}")
+            raise exc
         return value
 
     # -- listing --------------------------------------------------------------------------------
@@ -446,6 +456,7 @@ class CheckpointManager:
         sd, per_rank = self._save_state(state)
         writer = _ManagedWriter(
             self._backend.child(name),
+            name=name,
             lease=self._lease if self.is_coordinator else None,
             storage_options=self.storage_options,
             user_metadata={"step": step, "per_rank": sorted(per_rank)},
@@ -459,13 +470,13 @@ class CheckpointManager:
             with _quiet_single_process(not self._distributed):
                 if self._async_save_fn is not None:
                     handle = self._async_save_fn(sd, storage_writer=writer, process_group=self.process_group)
-                    self._pending = self._executor.submit(self._finish_async, seq, step, handle, t0)
+                    self._pending = self._executor.submit(self._finish_async, seq, step, handle, writer, t0)
                     return
                 dcp.save(sd, storage_writer=writer, process_group=self.process_group, no_dist=not self._distributed)
         except BaseException:
             self._end(seq, failed=True)
             raise
-        self._committed(seq, step, t0)
+        self._committed(seq, step, writer, t0)
         if self.is_coordinator:
             self._schedule_gc()
 
@@ -517,21 +528,21 @@ class CheckpointManager:
             if failed:  # its ranks may have left files: the next gc rescans the root
                 self._view = None
 
-    def _committed(self, seq: int, step: int, t0: float) -> None:
+    def _committed(self, seq: int, step: int, writer: _ManagedWriter, t0: float) -> None:
         if self.is_coordinator:
             with self._lock:
-                self._new_commits.append(step_name(step))
+                self._new_commits.append((step_name(step), writer.references))
         self._end(seq)
         self._latest = step if self._latest is None else max(self._latest, step)
         logger.info("step %d committed to %s in %.3f s", step, self.root, time.perf_counter() - t0)
 
-    def _finish_async(self, seq: int, step: int, handle: Any, t0: float) -> None:
+    def _finish_async(self, seq: int, step: int, handle: Any, writer: _ManagedWriter, t0: float) -> None:
         try:
             handle.wait()
         except BaseException:
             self._end(seq, failed=True)
             raise
-        self._committed(seq, step, t0)
+        self._committed(seq, step, writer, t0)
         if self.is_coordinator:
             self._schedule_gc()  # runs after this waiter, beside the next save
 
@@ -634,7 +645,9 @@ class CheckpointManager:
         if chosen is None:
             return None
         t0 = time.perf_counter()
-        reader = ShardReader(self._backend.child(step_name(chosen)), storage_options=self.storage_options, **self.reader_options)
+        reader = ShardReader(
+            self._backend.child(step_name(chosen)), storage_options=self.storage_options, **self.reader_options
+        )
         sd, after = self._restore_state(state, reader.index, chosen)
         with _quiet_single_process(not self._distributed):
             dcp.load(sd, storage_reader=reader, process_group=self.process_group, no_dist=not self._distributed)
@@ -647,7 +660,10 @@ class CheckpointManager:
         logger.info("restored step %d from %s in %.3f s", chosen, self.root, time.perf_counter() - t0)
         return chosen
 
-    def _restore_state(self, state: Mapping[str, Any], index: Index, step: int) -> tuple[dict[str, Any], list[tuple[str, Callable[[Any], None]]]]:
+    def _restore_state(
+        self, state: Mapping[str, Any], index: Index, step: int
+    ) -> tuple[dict[str, Any], list[tuple[str, Callable[[Any], None]]]]:
+        """The state dict DCP loads into, and what to apply per ``PerRank`` entry afterwards."""
         per_rank_saved = set(index.user.get("per_rank") or ())
         saved_ws, ws = index.world_size, self.world_size
         sd: dict[str, Any] = {}
@@ -656,7 +672,8 @@ class CheckpointManager:
             if not isinstance(value, PerRank):
                 if key in per_rank_saved:
                     raise StateMismatchError(
-                        f"{key!r} was saved per rank in step {step} under {self.root}; wrap its target in PerRank to restore it"
+                        f"{key!r} was saved per rank in step {step} under {self.root}; "
+                        "wrap its target in PerRank to restore it"
                     )
                 sd[key] = value
                 continue
@@ -670,7 +687,10 @@ class CheckpointManager:
             elif value.on_resize == "rank0":
                 src = 0
             elif value.on_resize == "drop":
-                logger.info("step %d was saved on %d ranks, restoring on %d: keeping the live value of per-rank %r", step, saved_ws, ws, key)
+                logger.info(
+                    "step %d was saved on %d ranks, restoring on %d: keeping the live value of per-rank %r",
+                    step, saved_ws, ws, key,
+                )
                 continue
             else:
                 raise StateMismatchError(
@@ -730,11 +750,14 @@ class CheckpointManager:
         with self._lock:
             new, self._new_commits = self._new_commits, []
             view = self._view
+        for name, refs in new:
+            if refs is not None:
+                self._index_cache[name] = refs
         if rescan or view is None or not owner or time.monotonic() - self._scanned_at > RESCAN_INTERVAL_S:
             view = _scan(self._backend)
             self._scanned_at = time.monotonic()
         else:  # add what the commits since the last gc wrote: one listing of each new step
-            for name in new:
+            for name, _ in new:
                 view.files.setdefault(name, set()).update(self._backend.list(name))
         if owner:
             with self._lock:

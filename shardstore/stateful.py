@@ -140,7 +140,9 @@ class PerRank:
         >>> torch.set_rng_state(rng.value["torch"])
     """
 
-    def __init__(self, value: Stateful | dict[str, Any], *, on_resize: Literal["error", "drop", "rank0"] = "error") -> None:
+    def __init__(
+        self, value: Stateful | dict[str, Any], *, on_resize: Literal["error", "drop", "rank0"] = "error"
+    ) -> None:
         if on_resize not in ON_RESIZE:
             raise ValueError(f"on_resize must be one of {ON_RESIZE}, got {on_resize!r}")
         if not isinstance(value, (dict, Stateful)):

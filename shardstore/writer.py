@@ -296,12 +296,9 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
         opts = self.options
         results = []
         pos = 0
-        with backend.open_writer(path) as out:
+        out = None  # opened at the first chunk that is really written (incremental saves skip some)
+        try:
             for item in items:
-                if pos % RECORD_ALIGN:
-                    pad = RECORD_ALIGN - pos % RECORD_ALIGN
-                    out.write(bytes(pad))
-                    pos += pad
                 tensor, raw = tensor_bytes(planner.resolve_data(item))
                 codec = choose_codec(opts.compression, tensor.is_floating_point(), tensor.element_size())
                 frames = [raw[i : i + opts.frame_size] for i in range(0, raw.nbytes, opts.frame_size)]
@@ -309,6 +306,12 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
                 if reused is not None:  # unchanged since the base: reference, don't rewrite
                     results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=reused))
                     continue
+                if out is None:
+                    out = backend.open_writer(path)
+                if pos % RECORD_ALIGN:
+                    pad = RECORD_ALIGN - pos % RECORD_ALIGN
+                    out.write(bytes(pad))
+                    pos += pad
                 lens, codecs, hashes = [], bytearray(), []
                 start = pos
                 for stored, used, digest in self._encode(frames, codec, encode_pool):
@@ -327,6 +330,12 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
                 )
                 results.append(WriteResult(index=item.index, size_in_bytes=pos - start, storage_data=chunk))
                 del tensor, raw, frames
+            if out is not None:
+                out.close()
+        except BaseException:
+            if out is not None:
+                out.abort()
+            raise
         return results
 
     def _encode(self, frames: list[memoryview], codec: Codec, pool: ThreadPoolExecutor | None):

@@ -27,6 +27,11 @@ from shardstore.manager import CheckpointManager, list_checkpoints, step_name
 from shardstore.stateful import PerRank, TrainState
 
 FAST = {"sync": False, "threads": 2}  # tests on scratch space: no fsync
+THREADS = {"threads": 2}  # crash tests: durable saves, as in a real job
+
+
+def _index(backend, step: int):
+    return decode_index(backend.read_small(f"{step_name(step)}/{INDEX_NAME}"))
 
 
 class Net(nn.Module):
@@ -144,7 +149,7 @@ def test_two_ranks_keep_last_2_leaves_exactly_steps_3_and_4(saved_on_2):
     root, out = saved_on_2
     assert [o["steps"] for o in out] == [[3, 4], [3, 4]]
     backend = open_backend(root)
-    indexes = {s: decode_index(backend.read_small(f"{step_name(s)}/{INDEX_NAME}")) for s in (3, 4)}
+    indexes = {s: _index(backend, s) for s in (3, 4)}
     for step, index in indexes.items():
         assert index.world_size == 2 and index.user["step"] == step and index.user["per_rank"] == ["rng"]
     # incremental: the frozen embedding was written once, by step 1; steps 3 and 4 reference it
@@ -266,7 +271,7 @@ def test_leftovers_of_crashed_saves_are_removed_but_not_a_save_in_progress(tmp_p
         assert mgr.steps() == [1, 2]
     assert sorted(backend.list()) == sorted(
         [p for p in backend.list() if p.startswith("_lease/")]
-        + [f"{step_name(s)}/{f.path}" for s in (1, 2) for f in decode_index(backend.read_small(f"{step_name(s)}/{INDEX_NAME}")).files]
+        + [f"{step_name(s)}/{f.path}" for s in (1, 2) for f in _index(backend, s).files]
         + [f"{step_name(s)}/{INDEX_NAME}" for s in (1, 2)]
     )
 
@@ -278,7 +283,7 @@ def test_gc_keeps_data_that_a_kept_step_references(tmp_path):
     with CheckpointManager(root, keep_last=1, writer_options=FAST) as mgr:
         mgr.save(1, _tensors(1))
         mgr.wait()
-        index = decode_index(backend.read_small(f"{step_name(1)}/{INDEX_NAME}"))
+        index = _index(backend, 1)
         index.files = [FileEntry(path=f.path, size=f.size, base=step_name(1)) for f in index.files]
         index.user = {"step": 2, "per_rank": []}
         backend.publish(f"{step_name(2)}/{INDEX_NAME}", encode_index(index), overwrite=False)
@@ -337,7 +342,7 @@ def test_incremental_keep_last_1_keeps_only_what_the_latest_step_references(tmp_
             if step > 1:  # only the adapter was written again
                 assert info.added_nbytes < 0.1 * info.logical_nbytes, info
                 assert info.bases == (step_name(1),)
-    index = decode_index(backend.read_small(f"{step_name(4)}/{INDEX_NAME}"))
+    index = _index(backend, 4)
     referenced = {f"{f.base or step_name(4)}/{f.path}" for f in index.files}
     assert any(p.startswith(step_name(1)) for p in referenced)
     assert {p for p in backend.list() if not p.startswith("_lease/")} == referenced | {f"{step_name(4)}/{INDEX_NAME}"}
@@ -411,7 +416,7 @@ def _crash_loop(root: str, opts: dict | None, log: str, rows: int, ttl: float) -
     """Save steps until killed; append 'committed N' to ``log`` after each save returns."""
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.write(fd, b"started\n")
-    mgr = CheckpointManager(root, keep_last=2, lease_ttl=ttl, storage_options=opts, writer_options={"threads": 2})
+    mgr = CheckpointManager(root, keep_last=2, lease_ttl=ttl, storage_options=opts, writer_options=THREADS)
     step = mgr.latest_step() or 0
     while True:
         step += 1
@@ -468,7 +473,7 @@ def _crash_trials(root: str, opts: dict | None, tmp_path, *, trials: int, seed: 
         assert proc.exitcode == -signal.SIGKILL, f"the save loop ended on its own: {proc.exitcode}"
         known |= {int(line.split()[1]) for line in open(log).read().splitlines() if line.startswith("committed")}
         known |= set(_check_crashed_store(root, opts, known, rows))
-    with CheckpointManager(root, keep_last=2, lease_ttl=ttl, storage_options=opts, writer_options={"threads": 2}) as mgr:
+    with CheckpointManager(root, keep_last=2, lease_ttl=ttl, storage_options=opts, writer_options=THREADS) as mgr:
         nxt = (mgr.latest_step() or 0) + 1
         mgr.save(nxt, _crash_state(nxt, rows))
         mgr.wait()
