@@ -86,6 +86,7 @@ def _plot(table: dict[str, Any], spec: dict[str, Any], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     cols = table["columns"]
     xi = cols.index(spec["x"])
@@ -95,6 +96,10 @@ def _plot(table: dict[str, Any], spec: dict[str, Any], path: str) -> None:
         yi = cols.index(name)
         series.append((name, [parse_number(r[yi]) for r in table["rows"]]))
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    if spec.get("logx"):
+        ax.set_xscale("log")
+    if spec.get("logy"):
+        ax.set_yscale("log")
     if spec.get("kind", "bar") == "line":
         xs = [parse_number(v) for v in labels]
         numeric_x = all(v is not None for v in xs)
@@ -102,8 +107,8 @@ def _plot(table: dict[str, Any], spec: dict[str, Any], path: str) -> None:
             pts = [(x if numeric_x else i, y) for i, (x, y) in enumerate(zip(xs, ys)) if y is not None]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         if numeric_x:
-            ax.set_xticks(xs)
-            ax.set_xticklabels(labels)
+            ax.set_xticks(xs, labels)
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         else:
             ax.set_xticks(range(len(labels)))
             ax.set_xticklabels(labels)
@@ -114,10 +119,6 @@ def _plot(table: dict[str, Any], spec: dict[str, Any], path: str) -> None:
             ax.bar(xs, [y if y is not None else 0 for y in ys], width, label=name)
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels(labels, rotation=15 if max(len(l) for l in labels) > 10 else 0)
-    if spec.get("logx"):
-        ax.set_xscale("log")
-    if spec.get("logy"):
-        ax.set_yscale("log")
     ax.set_xlabel(spec["x"])
     ax.set_ylabel(spec.get("ylabel", ""))
     ax.set_title(table["title"], fontsize=9)
@@ -155,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in names if n in wanted]
     if not args.no_plots:
         try:
-            import matplotlib  # noqa: F401
+            import matplotlib
+
+            logger.debug("plots with matplotlib %s", matplotlib.__version__)
         except ImportError:
             print("error: plots need matplotlib (pip install 'shardstore[bench]'), or pass --no-plots", file=sys.stderr)
             return 2

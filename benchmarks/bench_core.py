@@ -33,7 +33,6 @@ from benchmarks.common import (
     dir_bytes,
     disk_write_limit,
     evict,
-    fmt_bw,
     fmt_bytes,
     fmt_rate,
     fmt_ratio,
@@ -53,7 +52,14 @@ from shardstore import ShardReader, ShardWriter
 logger = logging.getLogger(__name__)
 
 DTYPES = ("bfloat16", "float32")
-NTENSORS = 32
+#: Bytes per tensor: 1 GiB is 32 tensors of 32 MiB (16 MiB chunks on 2 ranks, 4 frames each), and
+#: smaller states keep that shape with fewer tensors, so --quick reads like the full run.
+TENSOR_BYTES = 32 * MiB
+
+
+def ntensors(total: int) -> int:
+    """Number of tensors of a benchmark state of ``total`` bytes (at least 4)."""
+    return max(4, total // TENSOR_BYTES)
 
 
 def _writer(kind: str, path: str) -> Any:
@@ -76,7 +82,7 @@ def _reader(kind: str, path: str) -> Any:
 
 def rank_save(path: str, kind: str, total: int, seed: int = 0) -> float:
     """On every rank: save this rank's shards of the benchmark state; return the seconds."""
-    state = make_sharded_state(total, DTYPES, NTENSORS, seed=seed, cache=True)
+    state = make_sharded_state(total, DTYPES, ntensors(total), seed=seed, cache=True)
     seconds, _ = collective_time(lambda: dcp.save(state, storage_writer=_writer(kind, path)))
     return seconds
 
@@ -87,7 +93,7 @@ def rank_load(path: str, kind: str, total: int, *, check_seed: int | None = None
     With ``check_seed``, the loaded shards are compared with the state ``rank_save`` saved with
     that seed on the same number of ranks (``equal`` in the result).
     """
-    state = make_sharded_state(total, DTYPES, NTENSORS, empty=True, cache=True)
+    state = make_sharded_state(total, DTYPES, ntensors(total), empty=True, cache=True)
     readers: list[Any] = []
 
     def load() -> None:
@@ -99,7 +105,7 @@ def rank_load(path: str, kind: str, total: int, *, check_seed: int | None = None
     seconds, _ = collective_time(load)
     out: dict[str, Any] = {"seconds": seconds, "bytes_read": readers[0].bytes_read, "rchar": proc_io()["rchar"] - rchar0}
     if check_seed is not None:
-        want = make_sharded_state(total, DTYPES, NTENSORS, seed=check_seed, cache=True)
+        want = make_sharded_state(total, DTYPES, ntensors(total), seed=check_seed, cache=True)
         out["equal"] = all(torch.equal(state[k].to_local(), want[k].to_local()) for k in want)
     return out
 
@@ -112,9 +118,9 @@ def _slowest(results: list[Any]) -> float:
 
 
 def _save_load_2ranks(root: str, total: int, reps: int) -> dict[str, Any]:
-    nbytes = layout_bytes(total, DTYPES, NTENSORS)
+    nbytes = layout_bytes(total, DTYPES, ntensors(total))
     paths = {k: os.path.join(root, k) for k in ("shardstore", "dcp", "torch.save")}
-    full = make_state(total, DTYPES, NTENSORS)
+    full = make_state(total, DTYPES, ntensors(total))
     tfile = os.path.join(paths["torch.save"], "model.pt")
 
     def torch_save() -> None:
@@ -187,7 +193,7 @@ def _save_load_2ranks(root: str, total: int, reps: int) -> dict[str, Any]:
     ]
     sizes = {k: dir_bytes(p) for k, p in paths.items()}
     return {
-        "title": f"Core: 2 ranks, {fmt_bytes(nbytes)} of bf16/fp32 DTensor shards ({NTENSORS} tensors)",
+        "title": f"Core: 2 ranks, {fmt_bytes(nbytes)} of bf16/fp32 DTensor shards ({ntensors(total)} tensors)",
         "columns": ["operation", "shardstore", "DCP FileSystem", "torch.save/load (1 proc)", "disk limit (dd)",
                     "shardstore / DCP", "shardstore / disk limit"],
         "rows": rows,
@@ -250,7 +256,7 @@ def _amplification(paths: dict[str, str], total: int, nbytes: int, reps: int, wo
 
 
 def _world_sizes(root: str, total: int, worlds: list[int], reps: int) -> dict[str, Any]:
-    nbytes = layout_bytes(total, DTYPES, NTENSORS)
+    nbytes = layout_bytes(total, DTYPES, ntensors(total))
     rows = []
     for world in worlds:
         paths = {k: os.path.join(root, f"w{world}-{k}") for k in ("shardstore", "dcp")}
@@ -293,7 +299,7 @@ def _world_sizes(root: str, total: int, worlds: list[int], reps: int) -> dict[st
 def run(quick: bool) -> list[dict[str, Any]]:
     """Core save/load vs DCP: 2 ranks 1 GiB, 2 -> 4 read amplification, world sizes 1/2/4."""
     total = sized(quick, full=1024 * MiB, quick_size=256 * MiB, smoke=2 * MiB)
-    reps = sized(quick, full=3, quick_size=3, smoke=1)
+    reps = sized(quick, full=3, quick_size=2, smoke=1)
     # The smoke test stays within 2 rank processes: spawning more costs more than the whole test.
     worlds = sized(quick, full=[1, 2, 4], quick_size=[1, 2, 4], smoke=[1, 2])
     amp_world = sized(quick, full=4, quick_size=4, smoke=2)
@@ -302,7 +308,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
         amp = _amplification(main.pop("_paths"), total, main.pop("_nbytes"), reps, amp_world)
         for k in ("shardstore", "dcp", "torch.save"):
             fresh_dir(os.path.join(root, k))
-        ws = _world_sizes(root, total, worlds, max(1, reps - 1))
+        ws = _world_sizes(root, total, worlds, sized(quick, full=2, quick_size=1, smoke=1))
     return [main, amp, ws]
 
 

@@ -139,10 +139,11 @@ def run(quick: bool) -> dict[str, Any]:
         dc: list[dict[str, Any]] = []
         for i in range(reps):
             # Alternate which side goes first; collect garbage outside the timed region.
-            order = [("ss", lambda: ss.append(_time_shardstore(md, results))), ("dcp", lambda: dc.append(_time_dcp(md, storage)))]
-            for _, fn in order if i % 2 == 0 else order[::-1]:
+            order = [(ss, _time_shardstore, (md, results)), (dc, _time_dcp, (md, storage))]
+            for out, fn, args in order if i % 2 == 0 else order[::-1]:
                 gc.collect()
-                fn()
+                out.append(fn(*args))
+            del order
         s = {k: median([x[k] for x in ss]) for k in ss[0]}
         d = {k: median([x[k] for x in dc]) for k in dc[0]}
         if ranks == scales[-1]:
@@ -180,7 +181,8 @@ def run(quick: bool) -> dict[str, Any]:
                     "DCP pickle", "DCP unpickle", "DCP .metadata size", "size DCP / shardstore"],
         "rows": rows,
         "notes": notes,
-        "plot": {"x": "ranks", "y": ["build", "encode", "decode", "to_metadata", "total"], "kind": "line",
+        "plot": {"x": "ranks", "y": ["build", "encode", "decode", "to_metadata", "total", "DCP pickle", "DCP unpickle"],
+                 "kind": "line",
                  "ylabel": "seconds", "logx": True, "logy": True},
         "summary": summary,
     }

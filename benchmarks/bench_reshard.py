@@ -16,7 +16,6 @@ import logging
 import os
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
@@ -40,17 +39,16 @@ from benchmarks.common import (
     shard_checksum,
     sized,
 )
+from benchmarks.bench_core import DTYPES, ntensors
 from shardstore import ShardReader, ShardWriter
 
 logger = logging.getLogger(__name__)
 
-DTYPES = ("bfloat16", "float32")
-NTENSORS = 32
 
 
 def rank_save(path: str, kind: str, total: int, frame_size: int | None = None) -> dict[str, int]:
     """On every rank: save the benchmark state (not timed); return this rank's checksums."""
-    state = make_sharded_state(total, DTYPES, NTENSORS, seed=1, cache=True)
+    state = make_sharded_state(total, DTYPES, ntensors(total), seed=1, cache=True)
     if kind == "shardstore":
         writer = ShardWriter(path, **({"frame_size": frame_size} if frame_size else {}))
     else:
@@ -61,7 +59,7 @@ def rank_save(path: str, kind: str, total: int, frame_size: int | None = None) -
 
 def rank_load(path: str, kind: str, total: int) -> dict[str, Any]:
     """On every rank: load into zeroed shards; return seconds, bytes read and checksums."""
-    state = make_sharded_state(total, DTYPES, NTENSORS, empty=True, cache=True)
+    state = make_sharded_state(total, DTYPES, ntensors(total), empty=True, cache=True)
     for v in state.values():
         v.to_local().zero_()
     readers: list[Any] = []
@@ -78,7 +76,7 @@ def rank_load(path: str, kind: str, total: int) -> dict[str, Any]:
 def _frame_sweep(root: str, total: int, src: int, dst: int, frame_sizes: list[int], reps: int,
                  saved: dict[str, int]) -> dict[str, Any]:
     """Amplification and time of one resharded load against the frame size the checkpoint used."""
-    nbytes = layout_bytes(total, DTYPES, NTENSORS)
+    nbytes = layout_bytes(total, DTYPES, ntensors(total))
     paths = {"dcp": os.path.join(root, f"dcp-{src}")}
     for fs in frame_sizes:
         paths[fs] = os.path.join(root, f"shardstore-{src}-fs{fs}")
@@ -97,7 +95,7 @@ def _frame_sweep(root: str, total: int, src: int, dst: int, frame_sizes: list[in
 
     times = alternate({str(k): (lambda k=k: load(k)) for k in paths}, reps=reps)
     t_dcp = median(times["dcp"])
-    chunk = nbytes / NTENSORS / src
+    chunk = nbytes / ntensors(total) / src
     rows = []
     for key in [*frame_sizes, "dcp"]:
         t = median(times[str(key)])
@@ -112,7 +110,7 @@ def _frame_sweep(root: str, total: int, src: int, dst: int, frame_sizes: list[in
             "A frame is shardstore's unit of checksum (and compression): a partial read must fetch whole frames "
             "to verify them, so a target shard boundary that falls inside a frame reads that frame twice (once "
             "per rank), and a saved chunk of one frame is read whole by every rank that needs part of it.",
-            f"Same state as above ({NTENSORS} tensors, {fmt_bytes(nbytes)}); median of {reps} alternated "
+            f"Same state as above ({ntensors(total)} tensors, {fmt_bytes(nbytes)}); median of {reps} alternated "
             "repetition(s), cold cache.",
         ],
         "plot": {"x": "reader", "y": ["amplification"], "kind": "bar", "ylabel": "bytes read / checkpoint bytes"},
@@ -127,7 +125,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
     cases = sized(quick, full=[(2, 4), (4, 3), (4, 1)], quick_size=[(2, 4), (4, 3), (4, 1)], smoke=[(1, 2), (2, 1)])
     frame_sizes = sized(quick, full=[4 * MiB, 1 * MiB, 256 * 1024], quick_size=[4 * MiB, 1 * MiB, 256 * 1024],
                         smoke=[4 * MiB, 16 * 1024])
-    nbytes = layout_bytes(total, DTYPES, NTENSORS)
+    nbytes = layout_bytes(total, DTYPES, ntensors(total))
     rows = []
     summary = []
     with bench_dir("reshard") as root:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_core import DTYPES, NTENSORS, rank_load, rank_save
+from benchmarks.bench_core import DTYPES, ntensors, rank_load, rank_save
 from benchmarks.common import (
     GiB,
     MiB,
@@ -46,9 +46,9 @@ KINDS = ("shardstore", "shardstore-zstd", "dcp")
 
 
 def _one_size(root: str, total: int, reps: int) -> tuple[list[list[Any]], dict[str, tuple[str, str, float]]]:
-    nbytes = layout_bytes(total, DTYPES, NTENSORS)
+    nbytes = layout_bytes(total, DTYPES, ntensors(total))
     paths = {k: os.path.join(root, k) for k in (*KINDS, "torch")}
-    full = make_state(total, DTYPES, NTENSORS)
+    full = make_state(total, DTYPES, ntensors(total))
     tfile = os.path.join(paths["torch"], "model.pt")
 
     def torch_save() -> None:
@@ -66,7 +66,7 @@ def _one_size(root: str, total: int, reps: int) -> tuple[list[list[Any]], dict[s
     cases["dd"] = lambda: nbytes / disk_write_limit(root, nbytes)
     saves = alternate(cases, reps=reps)
     stored = {k: dir_bytes(paths[k]) for k in KINDS}
-    del full
+    full.clear()  # free the gathered copy before the loads
 
     def dist_load(kind: str) -> float:
         evict(paths[kind])
@@ -116,7 +116,7 @@ def run(quick: bool) -> dict[str, Any]:
         for total in sizes:
             r, ratio = _one_size(root, total, reps)
             rows.extend(r)
-            ratios[fmt_bytes(layout_bytes(total, DTYPES, NTENSORS))] = ratio
+            ratios[fmt_bytes(layout_bytes(total, DTYPES, ntensors(total)))] = ratio
     largest = list(ratios)[-1]
     return {
         "title": f"Throughput vs state size: {WORLD} ranks, bf16/fp32 DTensor shards, durable saves, cold loads",

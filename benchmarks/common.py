@@ -22,9 +22,10 @@ The contract of a benchmark module ``benchmarks/bench_<name>.py``:
 * ``python -m benchmarks.bench_<name> [--quick]`` prints the table: end the module with
   ``if __name__ == "__main__": bench_main(run)``.
 * **Smoke mode**: when the environment has ``SHARDSTORE_BENCH_SMOKE=1`` (see :func:`is_smoke`),
-  ``run`` must use tiny sizes and few repetitions so that it finishes in a few seconds (the test
+  ``run`` must use tiny sizes, one repetition and at most 2 ranks (spawning more rank processes
+  costs more than a whole smoke run) so that it finishes in a few seconds: the test
   ``tests/test_benchmarks_smoke.py`` calls every ``bench_*.run(quick=True)`` this way, all of them
-  together within about 40 s). Pick sizes with :func:`sized`, which honours it.
+  together within about 40 s. Pick sizes with :func:`sized`, which honours it.
 * Do not import from ``tests/``. Multi-rank work goes through :func:`run_ranks`; the function it
   runs must be defined at module level in the benchmark module.
 * Scratch data goes under :func:`bench_dir` (``$SHARDSTORE_BENCH_DIR`` or the system temp dir).
@@ -354,7 +355,7 @@ def cpu_probe() -> float:
     An idle modern core takes about 0.2 s; a larger value means other processes share the cores,
     which slows every Python-bound stage (index building, planning) by about the same factor.
     """
-    return time_call(lambda: sum(range(10**7)), reps=3)
+    return 10 * time_call(lambda: sum(range(10**6)), reps=5)
 
 
 def machine_limits(path: str, nbytes: int) -> dict[str, float]:
@@ -807,7 +808,7 @@ def check_results(result: Any, *, source: str) -> list[dict[str, Any]]:
     return tables
 
 
-def bench_main(run: Callable[[bool], dict[str, Any]]) -> None:
+def bench_main(run: Callable[[bool], Any]) -> None:
     """Entry point of ``python -m benchmarks.bench_<name> [--quick]``: run and print the table."""
     import argparse
 
