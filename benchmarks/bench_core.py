@@ -38,6 +38,7 @@ from benchmarks.common import (
     fmt_ratio,
     fmt_seconds,
     fresh_dir,
+    is_smoke,
     layout_bytes,
     make_sharded_state,
     make_state,
@@ -175,7 +176,7 @@ def _save_load_2ranks(root: str, total: int, reps: int) -> dict[str, Any]:
             "dcp": lambda: _slowest(run_ranks(2, rank_load, paths["dcp"], "dcp", total)),
         },
         reps=reps,
-        warmup=1,
+        warmup=0 if is_smoke() else 1,
     )
 
     s = {k: median(v) for k, v in saves.items()}
@@ -301,7 +302,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
     total = sized(quick, full=1024 * MiB, quick_size=256 * MiB, smoke=2 * MiB)
     reps = sized(quick, full=3, quick_size=2, smoke=1)
     # The smoke test stays within 2 rank processes: spawning more costs more than the whole test.
-    worlds = sized(quick, full=[1, 2, 4], quick_size=[1, 2, 4], smoke=[1, 2])
+    worlds = sized(quick, full=[1, 2, 4], quick_size=[1, 2, 4], smoke=[2])
     amp_world = sized(quick, full=4, quick_size=4, smoke=2)
     with bench_dir("core") as root:
         main = _save_load_2ranks(root, total, reps)

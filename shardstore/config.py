@@ -27,7 +27,9 @@ class WriteOptions:
         threads: parallel writer threads per rank; each writes its own data file, so
             ``threads`` is also the number of files per rank.
         frame_size: raw bytes per frame. A frame is the unit of checksum, compression and
-            random access: a partial (resharded) load reads and decodes whole frames only.
+            random access: a partial (resharded) load reads and decodes whole frames only, so
+            smaller frames read fewer extra bytes (2->4-rank load of 1 GiB: 4 MiB frames read
+            1.25x the checkpoint, 1 MiB 1.06x, 256 KiB 1.02x) at the cost of a larger index.
         compression: ``None`` or ``"zstd"``.
         level: zstd level (1 is fast and already gets most of the gain on float weights).
         min_saving: a frame is stored compressed only if it shrinks by at least this share.
@@ -41,7 +43,7 @@ class WriteOptions:
     """
 
     threads: int = 0
-    frame_size: int = 4 * MiB
+    frame_size: int = 512 << 10
     compression: str | None = None
     level: int = 1
     min_saving: float = 0.03
@@ -74,12 +76,13 @@ class ReadOptions:
         threads: parallel reader threads per rank.
         max_range: merged byte ranges are cut at item boundaries once they reach this size, so
             a load holds at most ``threads * max_range`` bytes (plus one oversized item) beyond
-            the target tensors.
+            the target tensors. Small ranges stay in the CPU cache between read, checksum and
+            copy (4 MiB loaded 1 GiB 1.6-2.6x faster than 64 MiB here).
         verify: check every frame's checksum (on by default; off only for benchmarks).
     """
 
     threads: int = 0
-    max_range: int = 64 * MiB
+    max_range: int = 4 * MiB
     verify: bool = True
 
     def __post_init__(self) -> None:

@@ -11,8 +11,10 @@ array's length and every file path.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +34,23 @@ from shardstore.backends.base import check_relpath
 from shardstore.codec import HASH_NAME, HASH_SIZE, Codec, frame_hash
 from shardstore.errors import InvalidCheckpointError
 from shardstore.values import dtype_from_name, dtype_name
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector while millions of small objects are made.
+
+    Building or converting an index for thousands of ranks allocates millions of objects that
+    hold no cycles; without this, the collector re-scans them over and over (at 128 ranks it
+    made ``to_metadata`` 6x slower).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
 
 FORMAT_NAME = "shardstore"
 FORMAT_VERSION = 1
@@ -125,6 +144,10 @@ class Index:
 
     def to_metadata(self) -> Metadata:
         """The DCP ``Metadata`` that DCP's load planner computes read items from."""
+        with _no_gc():
+            return self._to_metadata()
+
+    def _to_metadata(self) -> Metadata:
         md: dict[str, Any] = {}
         size_cache: dict[tuple[int, ...], torch.Size] = {}  # chunks of a tensor mostly share sizes
         for fqn, t in self.tensors.items():
@@ -167,6 +190,19 @@ def _planner_data_to_msgpack(planner_data: Any) -> Any:
 
 
 def build_index(
+    metadata: Metadata,
+    results: list[list[WriteResult]],
+    *,
+    frame_size: int,
+    files: dict[tuple[str | None, str], FileEntry] | None = None,
+    user: dict[str, Any] | None = None,
+) -> Index:
+    """Assemble the index from every rank's write results (see :func:`_build_index`)."""
+    with _no_gc():
+        return _build_index(metadata, results, frame_size=frame_size, files=files, user=user)
+
+
+def _build_index(
     metadata: Metadata,
     results: list[list[WriteResult]],
     *,
