@@ -12,6 +12,7 @@ array's length and every file path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import time
 from collections.abc import Iterable, Iterator
@@ -104,6 +105,25 @@ class TensorEntry:
     frame_codec: np.ndarray  # uint8 [m]
     frame_hash: np.ndarray  # uint8 [m, 16]
     _lookup: dict[tuple[int, ...], int] | None = field(default=None, repr=False)
+
+    @functools.cached_property
+    def _frame_excl(self) -> np.ndarray:
+        """Exclusive prefix sum of ``frame_len`` (length m + 1)."""
+        excl = np.zeros(len(self.frame_len) + 1, dtype=np.int64)
+        np.cumsum(self.frame_len, out=excl[1:])
+        return excl
+
+    @functools.cached_property
+    def frame_pos(self) -> np.ndarray:
+        """Byte offset in its data file of every frame (a chunk's frames lie back to back)."""
+        counts = np.diff(self.frame_start)
+        first = np.repeat(self.frame_start[:-1], counts)
+        return np.repeat(self.pos, counts) + self._frame_excl[:-1] - self._frame_excl[first]
+
+    def chunk_ends(self) -> np.ndarray:
+        """Byte offset in its data file just past each chunk's last frame."""
+        excl = self._frame_excl
+        return self.pos + excl[self.frame_start[1:]] - excl[self.frame_start[:-1]]
 
     @property
     def itemsize(self) -> int:
@@ -263,9 +283,7 @@ def _build_index(
     # A data file's size is where its last chunk ends (vectorised over every tensor's chunks).
     file_end = np.zeros(len(file_ids), dtype=np.int64)
     for t in tensors.values():
-        excl = np.zeros(len(t.frame_len) + 1, dtype=np.int64)
-        np.cumsum(t.frame_len, out=excl[1:])
-        np.maximum.at(file_end, t.file, t.pos + excl[t.frame_start[1:]] - excl[t.frame_start[:-1]])
+        np.maximum.at(file_end, t.file, t.chunk_ends())
     file_list = [
         external.get(key) or FileEntry(path=key[1], size=int(file_end[fid]), base=key[0])
         for key, fid in sorted(file_ids.items(), key=lambda kv: kv[1])
@@ -365,11 +383,8 @@ def _check_tables(where: str, t: TensorEntry, frame_size: int, files: list[FileE
     raw = t.frame_codec == Codec.RAW
     if (t.frame_len[raw] != raw_frame[raw]).any() or (t.frame_len <= 0).any():
         raise InvalidCheckpointError(f"index entry {where} has frame lengths that do not match their codecs")
-    excl = np.zeros(len(t.frame_len) + 1, dtype=np.int64)
-    np.cumsum(t.frame_len, out=excl[1:])
-    ends = t.pos + excl[t.frame_start[1:]] - excl[t.frame_start[:-1]]
     sizes = np.array([f.size for f in files], dtype=np.int64)
-    if (ends > sizes[t.file]).any():
+    if (t.chunk_ends() > sizes[t.file]).any():
         raise InvalidCheckpointError(f"index entry {where} has frames past the end of their data file")
 
 

@@ -30,7 +30,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -129,7 +128,6 @@ class ShardReader(StorageReader):
         self.path = self.backend.url if isinstance(path, Backend) else os.fspath(path)
         self.index = load_index(self.backend)
         self._metadata: Metadata | None = None
-        self._frame_pos: dict[str, np.ndarray] = {}
         self._siblings: dict[str, Backend] = {}
 
     # -- DCP protocol ---------------------------------------------------------------------
@@ -200,18 +198,6 @@ class ShardReader(StorageReader):
 
     # -- planning the reads ---------------------------------------------------------------
 
-    def _frame_positions(self, fqn: str, t: TensorEntry) -> np.ndarray:
-        """Byte offset of every frame of ``t`` within its file."""
-        fp = self._frame_pos.get(fqn)
-        if fp is None:
-            excl = np.zeros(len(t.frame_len) + 1, dtype=np.int64)
-            np.cumsum(t.frame_len, out=excl[1:])
-            first = np.repeat(t.frame_start[:-1], np.diff(t.frame_start))
-            owner_pos = np.repeat(t.pos, np.diff(t.frame_start))
-            fp = owner_pos + excl[:-1] - excl[first]
-            self._frame_pos[fqn] = fp
-        return fp
-
     def _map(self, item: ReadItem) -> _Need | None:
         fqn = item.storage_index.fqn
         t = self.index.tensors.get(fqn)
@@ -230,7 +216,7 @@ class ShardReader(StorageReader):
         fs = self.index.frame_size
         base = int(t.frame_start[c])
         g0, g1 = base + a // fs, base + (b - 1) // fs + 1
-        fp = self._frame_positions(fqn, t)
+        fp = t.frame_pos
         return _Need(item, fqn, t, c, (a, b), g0, g1, int(fp[g0]), int(fp[g1 - 1] + t.frame_len[g1 - 1]))
 
     def _merge(self, needs: list[_Need]) -> list[list[_Need]]:
@@ -295,7 +281,7 @@ class ShardReader(StorageReader):
     ) -> torch.Tensor:
         """A tensor view of the read item's sub-box, from verified, decoded frames."""
         t, fs = need.tensor, self.index.frame_size
-        fp = self._frame_positions(need.fqn, t)
+        fp = t.frame_pos
         record_raw = t.raw_nbytes(need.chunk)
         base = int(t.frame_start[need.chunk])
         pieces = []

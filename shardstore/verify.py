@@ -24,13 +24,12 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
 
 from shardstore.backends import Backend, open_backend, sibling_url
 from shardstore.codec import decode_frame, frame_hash
 from shardstore.config import ReadOptions
 from shardstore.errors import CorruptCheckpointError, InvalidCheckpointError, TruncatedFileError
-from shardstore.index import FileEntry, Index, TensorEntry
+from shardstore.index import FileEntry, Index
 from shardstore.reader import load_index
 from shardstore.values import unpack_value
 
@@ -137,21 +136,12 @@ class _Bad:
     reason: str
 
 
-def frame_positions(t: TensorEntry) -> np.ndarray:
-    """Byte offset in its data file of every frame of ``t`` (frames of a chunk lie back to back)."""
-    excl = np.zeros(len(t.frame_len) + 1, dtype=np.int64)
-    np.cumsum(t.frame_len, out=excl[1:])
-    counts = np.diff(t.frame_start)
-    first = np.repeat(t.frame_start[:-1], counts)
-    return np.repeat(t.pos, counts) + excl[:-1] - excl[first]
-
-
 def _frames_by_file(index: Index) -> dict[int, list[_Frame]]:
     """Every frame of the index grouped by data file (``decode_index`` checked the tables agree)."""
     fs = index.frame_size
     by_file: dict[int, list[_Frame]] = {}
     for fqn, t in index.tensors.items():
-        fpos = frame_positions(t)
+        fpos = t.frame_pos
         for c in range(len(t.pos)):
             g0, g1 = int(t.frame_start[c]), int(t.frame_start[c + 1])
             raw = t.raw_nbytes(c)

@@ -13,7 +13,6 @@ from dist import run_ranks
 from shardstore import ShardReader, ShardWriter
 from shardstore.codec import Codec, decode_frame, encode_frame, frame_hash
 from shardstore.reader import MERGE_GAP
-from shardstore.verify import frame_positions
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -186,7 +185,7 @@ def _needed_frames(index, fqn: str, r0: int, r1: int) -> dict[int, list[tuple[in
     """Per data file, the (start, end) byte ranges of the frames holding rows [r0, r1)."""
     t = index.tensors[fqn]
     fs, row = index.frame_size, COLS * t.itemsize
-    pos = frame_positions(t)
+    pos = t.frame_pos
     out: dict[int, list[tuple[int, int]]] = {}
     for c in range(len(t.pos)):
         c0 = int(t.offsets[c][0])

@@ -25,7 +25,7 @@ from shardstore.cli import main
 from shardstore.codec import Codec, decode_frame
 from shardstore.config import INDEX_NAME
 from shardstore.errors import unwrap_error
-from shardstore.verify import frame_positions, verify_checkpoint
+from shardstore.verify import verify_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -72,7 +72,7 @@ def _frames(ckpt: str) -> list[tuple[str, int, int, int, int]]:
     index = ShardReader(ckpt).index
     out = []
     for fqn, t in index.tensors.items():
-        pos = frame_positions(t)
+        pos = t.frame_pos
         for g in range(len(t.frame_len)):
             out.append((fqn, g, int(t.frame_codec[g]), int(pos[g]), int(pos[g] + t.frame_len[g])))
     return sorted(out, key=lambda f: f[3])
@@ -125,7 +125,7 @@ def _harmful(ckpt: str, tensor: str, offset: int) -> bool:
     """
     index = ShardReader(ckpt).index
     t = index.tensors[tensor]
-    pos = frame_positions(t)
+    pos = t.frame_pos
     (g,) = [g for g in range(len(pos)) if pos[g] <= offset < pos[g] + t.frame_len[g]]
     data = bytearray(open(os.path.join(ckpt, _data_file(ckpt)), "rb").read())
     stored = data[pos[g] : pos[g] + t.frame_len[g]]
