@@ -130,10 +130,14 @@ def _decompress(stored: memoryview | bytes, raw_len: int) -> bytes:
 
 
 def encode_frame(
-    raw: memoryview, codec: Codec, *, level: int, min_saving: float
+    raw: memoryview, codec: Codec, *, level: int, min_saving: float, digest: bytes | None = None
 ) -> tuple[memoryview | bytes, Codec, bytes]:
-    """Hash and encode one frame. Returns ``(stored bytes, codec actually used, hash)``."""
-    digest = frame_hash(raw)
+    """Hash (unless ``digest`` is already known) and encode one frame.
+
+    Returns ``(stored bytes, codec actually used, hash)``.
+    """
+    if digest is None:
+        digest = frame_hash(raw)
     if codec == Codec.RAW or raw.nbytes == 0:
         return raw, Codec.RAW, digest
     group = _BYTEGROUP.get(codec)

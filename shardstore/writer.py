@@ -250,8 +250,8 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
             out[(holder, f.path)] = FileEntry(path=f.path, size=f.size, base=holder)
         return out
 
-    def _reuse(self, item: WriteItem, tensor: torch.Tensor, frames: list[memoryview]) -> StoredChunk | None:
-        """The base's record of this chunk if its bytes are unchanged, else None."""
+    def _reuse(self, item: WriteItem, tensor: torch.Tensor, digests: list[bytes]) -> StoredChunk | None:
+        """The base's record of this chunk if its frames' digests are unchanged, else None."""
         t = self._base.tensors.get(item.index.fqn) if self._base is not None else None
         if t is None or t.dtype != tensor.dtype or t.shape != tuple(item.tensor_data.size):
             return None
@@ -260,10 +260,10 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
         except InvalidCheckpointError:
             return None
         lo, hi = int(t.frame_start[c]), int(t.frame_start[c + 1])
-        if tuple(t.sizes[c].tolist()) != tuple(item.tensor_data.chunk.sizes) or hi - lo != len(frames):
+        if tuple(t.sizes[c].tolist()) != tuple(item.tensor_data.chunk.sizes) or hi - lo != len(digests):
             return None
         hashes = t.frame_hash[lo:hi].tobytes()
-        if b"".join(frame_hash(f) for f in frames) != hashes:
+        if b"".join(digests) != hashes:
             return None
         entry = self._base.files[int(t.file[c])]
         return StoredChunk(
@@ -302,7 +302,9 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
                 tensor, raw = tensor_bytes(planner.resolve_data(item))
                 codec = choose_codec(opts.compression, tensor.is_floating_point(), tensor.element_size())
                 frames = [raw[i : i + opts.frame_size] for i in range(0, raw.nbytes, opts.frame_size)]
-                reused = self._reuse(item, tensor, frames) if self._base is not None else None
+                # With a base, hash first (once: the digests go on to the encoder) to find unchanged chunks.
+                digests = [frame_hash(f) for f in frames] if self._base is not None else None
+                reused = self._reuse(item, tensor, digests) if digests is not None else None
                 if reused is not None:  # unchanged since the base: reference, don't rewrite
                     results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=reused))
                     continue
@@ -314,7 +316,7 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
                     pos += pad
                 lens, codecs, hashes = [], bytearray(), []
                 start = pos
-                for stored, used, digest in self._encode(frames, codec, encode_pool):
+                for stored, used, digest in self._encode(frames, codec, encode_pool, digests):
                     out.write(stored)
                     pos += len(stored)
                     lens.append(len(stored))
@@ -338,16 +340,19 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
             raise
         return results
 
-    def _encode(self, frames: list[memoryview], codec: Codec, pool: ThreadPoolExecutor | None):
+    def _encode(
+        self, frames: list[memoryview], codec: Codec, pool: ThreadPoolExecutor | None, digests: list[bytes] | None
+    ):
         """Encode frames in order; with a pool, several at once but at most 2x threads ahead."""
         opts = self.options
+        known = digests if digests is not None else [None] * len(frames)
         if pool is None:
-            for f in frames:
-                yield encode_frame(f, codec, level=opts.level, min_saving=opts.min_saving)
+            for f, d in zip(frames, known):
+                yield encode_frame(f, codec, level=opts.level, min_saving=opts.min_saving, digest=d)
             return
         window: collections.deque = collections.deque()
-        for f in frames:
-            window.append(pool.submit(encode_frame, f, codec, level=opts.level, min_saving=opts.min_saving))
+        for f, d in zip(frames, known):
+            window.append(pool.submit(encode_frame, f, codec, level=opts.level, min_saving=opts.min_saving, digest=d))
             if len(window) >= 2 * opts.threads:
                 yield window.popleft().result()
         while window:
