@@ -48,7 +48,6 @@ def _hash_rate(nbytes: int) -> float:
 
 def run(quick: bool = False) -> dict:
     """Full vs incremental save of a 90%-frozen bf16 state (durable, local disk)."""
-    import torch
     import torch.distributed.checkpoint as dcp
 
     from shardstore import ShardWriter
