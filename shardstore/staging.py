@@ -76,6 +76,10 @@ class _HostArena:
         self.pinned = pin
         self.data = torch.empty(max(nbytes, 1), dtype=torch.uint8)
         if pin:
+            # Fault the pages in first, with torch's parallel fill: cudaHostRegister of untouched
+            # memory faults them one by one (an 8 GiB arena on an H200 host: 2.6 s to register
+            # untouched, 0.8 s filled then registered).
+            self.data.fill_(0)
             import torch.cuda._pin_memory_utils as pin_utils
 
             pin_utils.pin_memory(self.data.data_ptr(), self.data.nbytes)
