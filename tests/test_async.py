@@ -14,22 +14,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from dist import run_ranks
+from states import Net, assert_same_state
 from shardstore import ShardReader, ShardWriter
 from shardstore.async_save import AsyncSaveInProgressError, AsyncSaver, async_save, prepare
 from shardstore.config import INDEX_NAME
 from shardstore.errors import StorageError
 from shardstore.staging import default_slot
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(10, 12)
-        self.l1 = nn.Linear(12, 24)
-        self.l2 = nn.Linear(24, 12, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(torch.relu(self.l1(self.emb(x)))).sum()
 
 
 def _fsdp2(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -50,21 +40,6 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
 def _full(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return copy.deepcopy({"model": msd, "optim": osd})  # scalar "step" tensors alias the live ones
-
-
-def _assert_same(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), f"tensor differs at {where}"
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"keys differ at {where}"
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def _default_group_allreduces(n: int) -> None:
@@ -116,7 +91,7 @@ def test_values_changed_after_the_call_do_not_reach_the_checkpoint_which_loads_o
         path = str(tmp_path / f"c-{bounded}")
         ref = run_ranks(2, _async_save_fsdp2_then_train, path, bounded)[0]
         out = run_ranks(1, _load_fsdp2, path)  # 2 -> 1 ranks (more ranks: see test_core_dist)
-        _assert_same(ref, out[0]["full"], f"bounded={bounded}")
+        assert_same_state(ref, out[0]["full"], f"bounded={bounded}")
         assert all(r["extra"] == {"step": 1, "lrs": [0.01]} for r in out)
 
 

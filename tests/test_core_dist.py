@@ -18,21 +18,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dist import run_ranks
+from states import Net, assert_same_state
 from shardstore import CheckpointExistsError, ShardReader, ShardWriter
 from shardstore.config import INDEX_NAME
-
-
-class Net(nn.Module):
-    """Small model with an embedding whose rows do not divide evenly among 3 or 4 ranks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(10, 12)
-        self.l1 = nn.Linear(12, 24)
-        self.l2 = nn.Linear(24, 12, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(torch.relu(self.l1(self.emb(x)))).sum()
 
 
 def _fsdp2_model(seed: int) -> nn.Module:
@@ -81,23 +69,6 @@ def _load_fsdp2(path: str) -> dict:
     return {"full": full if dist.get_rank() == 0 else {}, "extra": state["extra"], "bytes_read": reader.bytes_read}
 
 
-def _assert_same_state(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"tensor differs at {where}"
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"keys differ at {where}: {set(a) ^ set(b)}"
-        for k in a:
-            _assert_same_state(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same_state(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 EXTRA = {"step": 2, "epoch": 1, "tag": "run-a", "lrs": [0.01, 0.02]}
 
 
@@ -112,7 +83,7 @@ def saved_on_4(tmp_path_factory):
 def test_fsdp2_save_on_4_load_on_n(saved_on_4, world_size):
     path, ref = saved_on_4
     out = run_ranks(world_size, _load_fsdp2, path)
-    _assert_same_state(ref, out[0]["full"])
+    assert_same_state(ref, out[0]["full"])
     assert ref["optim"]["state"]["l1.weight"]["step"].item() == 2.0
     for r in out:
         assert r["extra"] == EXTRA
@@ -122,7 +93,7 @@ def test_fsdp2_save_on_2_load_on_4(tmp_path):
     path = str(tmp_path / "c")
     ref = run_ranks(2, _save_fsdp2, path)[0]
     out = run_ranks(4, _load_fsdp2, path)
-    _assert_same_state(ref, out[0]["full"])
+    assert_same_state(ref, out[0]["full"])
 
 
 def _save_rows(path: str) -> None:
@@ -167,8 +138,8 @@ def test_fsdp2_save_on_3_load_in_one_process_without_process_group(tmp_path):
     dcp.load(state, storage_reader=ShardReader(path))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     full = {"model": model.state_dict(), "optim": get_state_dict(model, opt)[1]}
-    _assert_same_state(ref["model"], full["model"])
-    _assert_same_state(ref["optim"], full["optim"])
+    assert_same_state(ref["model"], full["model"])
+    assert_same_state(ref["optim"], full["optim"])
     assert state["extra"] == EXTRA
 
 
@@ -216,7 +187,7 @@ def test_fsdp1_sharded_state_dict_loads_into_fsdp2_on_another_world_size(tmp_pat
     path = str(tmp_path / "c")
     ref = run_ranks(2, _save_fsdp1, path)[0]
     got = run_ranks(3, _load_fsdp2_model_only, path)[0]
-    _assert_same_state(ref, got)
+    assert_same_state(ref, got)
 
 
 # -- 2-D DTensor resharding ------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+from states import assert_same_state
 from shardstore import CheckpointManager, ShardReader, ShardWriter, TrainState
 from shardstore.async_save import AsyncSaver, async_save
 from shardstore.staging import StagingBuffers
@@ -64,21 +65,6 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
 def _full(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return copy.deepcopy({"model": msd, "optim": osd})
-
-
-def _assert_same(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()), f"tensor differs at {where}"
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"keys differ at {where}: {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 # -- staging ------------------------------------------------------------------------------------
@@ -143,7 +129,7 @@ def test_async_save_of_cuda_state_is_a_snapshot_and_loads_into_cuda(group, tmp_p
 
     set_state_dict(fresh, fresh_opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
     assert next(fresh.parameters()).device.type == "cuda"
-    _assert_same(ref, _full(fresh, fresh_opt))
+    assert_same_state(ref, _full(fresh, fresh_opt))
     assert target["extra"] == {"step": 1}
 
 
@@ -183,7 +169,7 @@ def test_fsdp1_sharded_state_round_trips_through_trainstate_and_loads_into_fsdp2
     mgr = CheckpointManager(tmp_path / "ckpt", lease_ttl=None)
     assert mgr.restore({"train": fresh_state}) == 2
     mgr.close()
-    _assert_same(ref, _full(fresh, fresh_opt))
+    assert_same_state(ref, _full(fresh, fresh_opt))
     assert fresh_state.counters == {"step": 2, "epoch": 0}
 
     torch.manual_seed(6)
@@ -194,4 +180,4 @@ def test_fsdp1_sharded_state_round_trips_through_trainstate_and_loads_into_fsdp2
     mgr = CheckpointManager(tmp_path / "ckpt", lease_ttl=None)
     assert mgr.restore({"train": state2}) == 2
     mgr.close()
-    _assert_same(ref, _full(net2, opt2))
+    assert_same_state(ref, _full(net2, opt2))

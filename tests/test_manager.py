@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from dist import run_ranks
+from states import Net, assert_same_state
 from shardstore import StateMismatchError
 from shardstore.backends import open_backend
 from shardstore.config import INDEX_NAME
@@ -32,17 +33,6 @@ THREADS = {"threads": 2}  # crash tests: durable saves, as in a real job
 
 def _index(backend, step: int):
     return decode_index(backend.read_small(f"{step_name(step)}/{INDEX_NAME}"))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(10, 12)
-        self.l1 = nn.Linear(12, 24)
-        self.l2 = nn.Linear(24, 12, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(torch.relu(self.l1(self.emb(x)))).sum()
 
 
 def _lr_lambda(epoch: int) -> float:
@@ -74,22 +64,6 @@ def _train(model, opt, sched, step: int) -> None:
 def _full(model, opt) -> dict:
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"model": msd, "optim": osd}
-
-
-def _assert_same(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"tensor differs at {where}"
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"keys differ at {where}: {set(a) ^ set(b)}"
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def _rng(rank: int, on_resize: str = "error") -> PerRank:
@@ -170,7 +144,7 @@ def test_three_ranks_restore_step_4_exactly_and_per_rank_state_needs_a_policy(sa
     root, saved = saved_on_2
     out = run_ranks(3, _restore_step_4, root, "fsdp2")
     ref = saved[0]
-    _assert_same(ref["full"], out[0]["full"])
+    assert_same_state(ref["full"], out[0]["full"])
     assert ref["full"]["optim"]["state"]["l1.weight"]["step"].item() == 4.0
     for r in out:
         assert r["step"] == 4
@@ -179,7 +153,7 @@ def test_three_ranks_restore_step_4_exactly_and_per_rank_state_needs_a_policy(sa
         assert r["counters"] == {"step": 4, "tag": "run-a"}
         assert r["extra"] == {"epoch": 2}
         assert r["sched"] == ref["sched"]
-        _assert_same(r["rng"], {"seed": 1000, "gen": torch.zeros(3)})
+        assert_same_state(r["rng"], {"seed": 1000, "gen": torch.zeros(3)})
 
 
 def test_single_process_without_process_group_restores_step_4(saved_on_2):
@@ -198,7 +172,7 @@ def test_single_process_without_process_group_restores_step_4(saved_on_2):
         with pytest.raises(CheckpointNotFoundError, match=r"step 2 is not a committed checkpoint.*3, 4"):
             mgr.restore({"train": state}, step=2)
     assert rng.value is before  # dropped: the live value stays
-    _assert_same(saved[0]["full"], _full(model, opt))
+    assert_same_state(saved[0]["full"], _full(model, opt))
     assert state.counters == {"step": 4, "tag": "run-a"}
     assert sched.state_dict() == saved[0]["sched"]
 
@@ -213,7 +187,7 @@ def _tensors(step: int) -> dict:
 def _check_step(mgr: CheckpointManager, step: int) -> None:
     target = {"w": torch.zeros(64, 64), "b": torch.zeros(10, dtype=torch.int64), "meta": {"step": -1}}
     assert mgr.restore(target, step=step) == step
-    _assert_same(_tensors(step), target)
+    assert_same_state(_tensors(step), target)
 
 
 def test_keep_every_keeps_multiples_forever(tmp_path):
@@ -349,7 +323,7 @@ def test_incremental_keep_last_1_keeps_only_what_the_latest_step_references(tmp_
     with CheckpointManager(root) as fresh:
         target = {"frozen": torch.zeros(512, 512), "adapter": torch.zeros(16, 512), "meta": {"step": -1}}
         assert fresh.restore(target) == 4
-        _assert_same(_lora(4), target)
+        assert_same_state(_lora(4), target)
 
 
 # -- lease: two jobs on one root -------------------------------------------------------------------
@@ -437,7 +411,7 @@ def _check_crashed_store(root: str, opts: dict | None, known: set[int], rows: in
         for step in steps:  # every listed step is complete and exact
             target = _crash_target(rows)
             assert mgr.restore(target, step=step) == step
-            _assert_same(_crash_state(step, rows), target)
+            assert_same_state(_crash_state(step, rows), target)
         target = {"meta": {"step": -1}}
         assert mgr.restore(target) == steps[-1] and target["meta"]["step"] == steps[-1]
         return steps
@@ -481,7 +455,7 @@ def _crash_trials(root: str, opts: dict | None, tmp_path, *, trials: int, seed: 
         assert steps[-1] == nxt and len(steps) <= 2
         target = _crash_target(rows)
         assert mgr.restore(target) == nxt
-        _assert_same(_crash_state(nxt, rows), target)
+        assert_same_state(_crash_state(nxt, rows), target)
     backend = open_backend(root, opts)
     assert {p.split("/")[0] for p in backend.list()} == {"_lease"} | {step_name(s) for s in steps}
 
