@@ -68,7 +68,7 @@ from shardstore.async_save import async_save as background_save
 from shardstore.backends import Backend, open_backend
 from shardstore.config import INDEX_NAME, WriteOptions
 from shardstore.errors import CheckpointNotFoundError, ShardstoreError, StateMismatchError
-from shardstore.index import Index, StoredChunk, decode_index
+from shardstore.index import Index, RankChunks, decode_index
 from shardstore.lease import Lease
 from shardstore.reader import ShardReader
 from shardstore.stateful import PerRank
@@ -239,10 +239,11 @@ class _ManagedWriter(ShardWriter):
             self._lease.verify()
         super().finish(metadata, results)
         self.references = {  # the index's file table: every file a chunk names
-            f"{wr.storage_data.base or self._name}/{wr.storage_data.file}"
+            f"{base or self._name}/{path}"
             for rank_results in results
             for wr in rank_results
-            if isinstance(wr.storage_data, StoredChunk)
+            if isinstance(wr.storage_data, RankChunks)
+            for base, path in wr.storage_data.files
         }
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.futures import Future
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -40,7 +40,7 @@ from shardstore.backends.posix import PosixBackend
 from shardstore.codec import Codec, choose_codec, encode_frame, frame_hash
 from shardstore.config import INDEX_NAME, WriteOptions
 from shardstore.errors import CheckpointExistsError, InvalidCheckpointError, UnsupportedValueError
-from shardstore.index import FileEntry, Index, StoredChunk, StoredValue, build_index, encode_index
+from shardstore.index import FileEntry, Index, RankChunks, StoredChunk, StoredValue, build_index, encode_index
 from shardstore.staging import AsyncStagerMixin
 from shardstore.values import value_from_dcp_bytes
 
@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 #: Records start at multiples of this many bytes, so raw frames can be viewed in place.
 RECORD_ALIGN = 64
+
+#: ``MetadataIndex.fqn`` of the write result that carries a rank's packed chunks (DCP does not
+#: look at write results; only ``finish`` does).
+RANK_CHUNKS_FQN = "<shardstore rank chunks>"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +191,12 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items; return one ``WriteResult`` per non-tensor value and one for all
+        tensor chunks together (``storage_data`` a :class:`~shardstore.index.RankChunks`), so that
+        DCP's gather of write results moves a few byte strings per rank, not an object per chunk."""
         prefix = plan.storage_data.prefix
         results: list[WriteResult] = []
+        chunks: list[tuple[MetadataIndex, StoredChunk]] = []
         tensors = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
@@ -208,7 +216,7 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
                 errors = []
                 for f in files:
                     try:
-                        results.extend(f.result())
+                        chunks.extend(f.result())
                     except Exception as e:  # wait for every file, then raise the first failure
                         errors.append(e)
                 if errors:
@@ -216,6 +224,11 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
         finally:
             if encode_pool is not None:
                 encode_pool.shutdown()
+        written = sum(int(np.frombuffer(c.lens, dtype="<i8").sum()) for _, c in chunks if c.base is None)
+        results.append(
+            WriteResult(index=MetadataIndex(fqn=RANK_CHUNKS_FQN, index=self.rank), size_in_bytes=written,
+                        storage_data=RankChunks.pack(chunks))
+        )
         self.bytes_written = sum(r.size_in_bytes for r in results)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -292,9 +305,9 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
         items: list[WriteItem],
         planner: SavePlanner,
         encode_pool: ThreadPoolExecutor | None,
-    ) -> list[WriteResult]:
+    ) -> list[tuple[MetadataIndex, StoredChunk]]:
         opts = self.options
-        results = []
+        results: list[tuple[MetadataIndex, StoredChunk]] = []
         pos = 0
         out = None  # opened at the first chunk that is really written (incremental saves skip some)
         try:
@@ -306,7 +319,7 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
                 digests = [frame_hash(f) for f in frames] if self._base is not None else None
                 reused = self._reuse(item, tensor, digests) if digests is not None else None
                 if reused is not None:  # unchanged since the base: reference, don't rewrite
-                    results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=reused))
+                    results.append((item.index, reused))
                     continue
                 if out is None:
                     out = backend.open_writer(path)
@@ -330,7 +343,7 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
                     codecs=bytes(codecs),
                     hashes=b"".join(hashes),
                 )
-                results.append(WriteResult(index=item.index, size_in_bytes=pos - start, storage_data=chunk))
+                results.append((item.index, chunk))
                 del tensor, raw, frames
             if out is not None:
                 out.close()
