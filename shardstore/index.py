@@ -430,13 +430,22 @@ class _Columns:
         fqn_ids: dict[str, int] = {}
         file_ids: dict[tuple[str | None, str], int] = {}
         fqn_luts: dict[bytes, np.ndarray] = {}  # ranks of a job mostly hold the same names
+        named_by: list[int] = []  # by global tensor id: the first rank that named it (for messages)
         fqn_parts, file_parts = [], []
-        for rc in parts:
+        for rank, rc in packed:
             lut = fqn_luts.get(rc.fqns)
             if lut is None:
-                lut = fqn_luts[rc.fqns] = np.array(
-                    [fqn_ids.setdefault(f, len(fqn_ids)) for f in rc.names()], dtype=np.int32
-                )
+                try:
+                    names = rc.names()
+                except InvalidCheckpointError as e:
+                    raise InvalidCheckpointError(f"write results of rank {rank}: {e}") from None
+                ids = []
+                for f in names:
+                    if f not in fqn_ids:
+                        fqn_ids[f] = len(fqn_ids)
+                        named_by.append(rank)
+                    ids.append(fqn_ids[f])
+                lut = fqn_luts[rc.fqns] = np.array(ids, dtype=np.int32)
             fqn_parts.append(lut)
             file_parts.append(np.array([file_ids.setdefault(k, len(file_ids)) for k in rc.files], dtype=np.int32))
         counts = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
@@ -458,17 +467,27 @@ class _Columns:
         tid = _local_to_global(column("fqn", "<i4", counts).astype(np.int64), counts, fqn_parts, "tensor", ranks)
         fid = _local_to_global(column("file", "<i4", counts).astype(np.int64), counts, file_parts, "data file", ranks)
         fqn_names = list(fqn_ids)
+        unused = np.flatnonzero(np.bincount(tid, minlength=len(fqn_names)) == 0)
+        if len(unused):  # a tensor without chunks would load as "nothing to read"
+            t = int(unused[0])
+            raise InvalidCheckpointError(
+                f"write results of rank {named_by[t]} name tensor {fqn_names[t]!r} but hold no chunk of it"
+            )
         smds = []
-        for fqn in fqn_names:
+        for t, fqn in enumerate(fqn_names):
             smd = metadata.state_dict_metadata.get(fqn)
             if not isinstance(smd, TensorStorageMetadata):
-                raise InvalidCheckpointError(f"write result for {fqn!r} has no tensor metadata")
+                raise InvalidCheckpointError(
+                    f"write results of rank {named_by[t]} hold tensor {fqn!r}, which has no tensor metadata"
+                )
             smds.append(smd)
         ndim = np.array([len(smd.size) for smd in smds], dtype=np.int64)[tid]
         nvals = np.diff(_excl_cumsum(ndim)[bounds])
         nframes = column("nframes", "<i4", counts).astype(np.int64)
         if (nframes < 0).any():
-            raise InvalidCheckpointError("write results have negative frame counts")
+            bad = int(np.flatnonzero(nframes < 0)[0])
+            rank = ranks[int(np.searchsorted(bounds, bad, side="right")) - 1]
+            raise InvalidCheckpointError(f"write results of rank {rank} have negative frame counts")
         m = np.diff(_excl_cumsum(nframes)[bounds])
         return cls(
             fqn_names=fqn_names,

@@ -50,7 +50,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _dtype_name(dtype)
 
 
-def _check(obj: Any, key: str) -> None:
+def check_index_value(obj: Any, key: str) -> None:
+    """Check a value that goes into the index itself (``user_metadata``), naming ``key``.
+
+    The index is plain msgpack read back with string map keys only, so dict keys must be str and
+    tensors are refused; a value the index cannot hold must fail the save, not every later load.
+    """
+    _check(obj, key, in_index=True)
+
+
+def _check(obj: Any, key: str, *, in_index: bool = False) -> None:
     """Reject what msgpack would silently change or cannot hold, naming the key."""
     if obj is None or isinstance(obj, (bool, float, str, bytes)):
         return
@@ -60,17 +69,18 @@ def _check(obj: Any, key: str) -> None:
         return
     if isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            _check(v, f"{key}[{i}]")
+            _check(v, f"{key}[{i}]", in_index=in_index)
         return
     if isinstance(obj, dict):
         for k, v in obj.items():
-            if type(k) not in (str, int):
+            if type(k) not in ((str,) if in_index else (str, int)):
                 raise UnsupportedValueError(
-                    f"value of {key!r} has a dict key of type {type(k).__name__}; only str and int keys can be stored"
+                    f"value of {key!r} has a dict key of type {type(k).__name__}; only "
+                    f"{'str keys' if in_index else 'str and int keys'} can be stored"
                 )
-            _check(v, f"{key}[{k!r}]")
+            _check(v, f"{key}[{k!r}]", in_index=in_index)
         return
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor) and not in_index:
         if obj.numel() * obj.element_size() > _MAX_NESTED_TENSOR:
             raise UnsupportedValueError(f"tensor nested in the value of {key!r} is too large; store it as a state_dict entry")
         return

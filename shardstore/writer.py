@@ -42,7 +42,7 @@ from shardstore.config import INDEX_NAME, WriteOptions
 from shardstore.errors import CheckpointExistsError, InvalidCheckpointError, UnsupportedValueError
 from shardstore.index import FileEntry, Index, RankChunks, StoredChunk, StoredValue, build_index, encode_index
 from shardstore.staging import AsyncStagerMixin
-from shardstore.values import value_from_dcp_bytes
+from shardstore.values import check_index_value, value_from_dcp_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +108,14 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
         path: checkpoint directory or URL (``/data/ckpt``, ``file://...``, ``s3://b/run/step-100``,
             ``memory://...``).
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
+        user_metadata: plain data (str-keyed dicts, lists, str, numbers, bytes, None) stored in
+            the index, e.g. the training step; ``shardstore inspect`` shows it.
         **options: fields of :class:`shardstore.config.WriteOptions` (``threads``,
             ``frame_size``, ``compression``, ``level``, ``overwrite``, ``sync``...).
+
+    Raises:
+        UnsupportedValueError: ``user_metadata`` holds something the index cannot store (it
+            names the key), so the save never commits an index that no reader accepts.
 
     Example:
         >>> dcp.save(state_dict, storage_writer=ShardWriter("/ckpt/step-100"))
@@ -130,6 +136,7 @@ class ShardWriter(StorageWriter, AsyncStagerMixin):
         self.options = WriteOptions(**options)
         self.storage_options = storage_options
         self.user_metadata = dict(user_metadata or {})
+        check_index_value(self.user_metadata, "user_metadata")
         self._backend: Backend | None = path if isinstance(path, Backend) else None
         self.path = path.url if isinstance(path, Backend) else os.fspath(path)
         self.is_coordinator = False

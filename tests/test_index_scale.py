@@ -288,7 +288,7 @@ def _one_rank(**changes: Any) -> tuple[Metadata, list[list[WriteResult]]]:
         (lambda rc: {"nframes": rc.nframes[:-4]}, "rank 2 have .* bytes of chunk column 'nframes'"),
         (lambda rc: {"pos": rc.pos + b"x"}, "rank 2 have .* bytes of chunk column 'pos'"),
         (lambda rc: {"frame_hash": rc.frame_hash + b"x"}, "rank 2 have .* bytes of chunk column 'frame_hash'"),
-        (lambda rc: {"fqns": msgpack.packb(["nope", *rc.names()[1:]])}, "write result for 'nope' has no tensor metadata"),
+        (lambda rc: {"fqns": msgpack.packb(["nope", *rc.names()[1:]])}, "hold tensor 'nope', which has no tensor metadata"),
         (lambda rc: {"fqns": msgpack.packb([1, 2])}, "name their tensors with something other than a list of str"),
         (lambda rc: {"fqns": b"\xc1"}, "name their tensors in invalid msgpack"),
     ],
