@@ -74,10 +74,12 @@ class ReadOptions:
 
     Attributes:
         threads: parallel reader threads per rank.
-        max_range: merged byte ranges are cut at item boundaries once they reach this size, so
-            a load holds at most ``threads * max_range`` bytes (plus one oversized item) beyond
-            the target tensors. Small ranges stay in the CPU cache between read, checksum and
-            copy (4 MiB loaded 1 GiB 1.6-2.6x faster than 64 MiB here).
+        max_range: the frames of one file are read in runs of at most this many bytes (cut
+            at frame boundaries; a larger frame is read alone). Raw frames land in the target
+            tensors, so beyond them a load holds at most ``threads * max_range`` bytes of
+            scratch, plus a staging copy of the read items being cast or scattered into
+            non-contiguous targets. Small runs stay in the CPU cache between the read and the
+            checksum (4 MiB loaded 1 GiB 1.6-2.6x faster than 64 MiB here).
         verify: check every frame's checksum (on by default; off only for benchmarks).
     """
 

@@ -11,9 +11,24 @@ DCP calls a storage reader in this order (``torch.distributed.checkpoint.load``)
 
 Resharding is DCP's: its load planner turns the index's chunk list into ``ReadItem``s (which
 stored chunk, which sub-box of it, where it lands). ``read_data`` maps each sub-box to the byte
-span of the chunk that holds it, to the frames covering that span, and to a byte range of a data
-file; ranges of one file are sorted and merged, read by several threads, verified frame by
-frame, decoded, and copied into the target tensors (with a dtype cast where the target differs).
+span of the chunk that holds it and to the frames covering that span. The frames of one file are
+sorted and cut into runs of at most ``max_range`` bytes (adjacent frames, and the few padding
+bytes between records, are read together); several threads read the runs, the files of a rank
+taking turns so that each file is read front to back by about one thread at a time. A load opens
+each data file once and shares it between its threads, so the kernel's readahead follows it.
+
+Where the bytes land: a load's cost is its passes over memory, so each read puts a frame where
+it will stay. When the read item's sub-box is one contiguous span of the chunk and the target is
+a contiguous CPU tensor of the stored dtype (dim-0 sharding, FSDP's case, also when resharding),
+every raw frame that lies wholly inside the span is read straight into the target's memory (one
+scatter read per run, ``preadv`` on POSIX) and its checksum is verified there. Frames that are
+compressed, only partly inside the span (the ends of a resharded span), or shared by two read
+items are read into a small scratch buffer, verified, decoded, and the needed part copied into
+place. Any other target (another dtype, non-contiguous, off the CPU, or a sub-box that is not one
+span) gets a staging buffer for the span, filled the same way and then copied into the target
+with ``copy_`` (which casts). Backends that cannot read into caller memory (fsspec, S3) read and
+copy once inside their :class:`~shardstore.backends.base.FileReader`. A checksum mismatch raises,
+so a failed load may leave a target partly overwritten, never silently wrong.
 
 The index is read and validated when the reader is constructed, so a missing or malformed
 checkpoint fails at ``ShardReader(path)`` with a clear error rather than inside DCP.
@@ -21,15 +36,17 @@ checkpoint fails at ``ShardReader(path)`` with a clear error rather than inside 
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import os
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -37,7 +54,8 @@ from torch.futures import Future
 from torch.distributed.checkpoint.storage import StorageReader
 
 from shardstore.backends import Backend, open_backend, sibling_url
-from shardstore.codec import Codec, decode_frame, frame_hash
+from shardstore.backends.base import FileReader
+from shardstore.codec import HASH_SIZE, Codec, decode_frame, frame_hash
 from shardstore.config import INDEX_NAME, ReadOptions
 from shardstore.errors import (
     CheckpointNotFoundError,
@@ -50,10 +68,8 @@ from shardstore.values import value_to_dcp_bytes
 
 logger = logging.getLogger(__name__)
 
-# Source buffers are only ever read from (copied into targets), never written.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-
-#: Ranges of one file closer than this are merged (records are padded to 64-byte boundaries).
+#: Frames of one file closer than this are read together (records are padded to 64-byte
+#: boundaries; the padding is read into scratch and dropped).
 MERGE_GAP = 64
 
 
@@ -85,9 +101,13 @@ def load_index(backend: Backend) -> Index:
     return decode_index(data, source=f"{backend.url}/{INDEX_NAME}")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Need:
-    """One ReadItem mapped to stored bytes: frames ``g0:g1`` of tensor ``fqn``."""
+    """One ReadItem mapped to stored bytes: frames ``g0:g1`` of chunk ``chunk`` of tensor ``fqn``.
+
+    ``target``, ``dest`` and ``in_place`` are set when the first read touching the need runs;
+    ``pending`` counts its frames not yet landed in ``dest``.
+    """
 
     item: ReadItem
     fqn: str
@@ -96,8 +116,32 @@ class _Need:
     span: tuple[int, int]  # byte span [a, b) inside the chunk's raw bytes
     g0: int  # first frame (tensor-global frame id)
     g1: int
-    start: int  # byte range [start, end) in the data file
-    end: int
+    target: torch.Tensor | None = None
+    dest: memoryview | None = None  # bytes of the span: the target's own memory, or a staging buffer
+    in_place: bool = False
+    pending: int = 0
+
+
+@dataclass(eq=False)
+class _Frame:
+    """One stored frame to read and the needs that use (part of) its raw bytes."""
+
+    fqn: str
+    raw_start: int  # offset of its raw bytes in the chunk's raw bytes
+    raw_len: int
+    pos: int  # stored bytes [pos, pos + length) in the data file
+    length: int
+    codec: int
+    digest: bytes
+    users: list[_Need] = field(default_factory=list)
+
+    def direct(self) -> _Need | None:
+        """The need whose ``dest`` this frame's stored bytes can be read into as they are."""
+        if len(self.users) != 1 or self.codec != Codec.RAW or self.length != self.raw_len:
+            return None
+        n = self.users[0]
+        a, b = n.span
+        return n if a <= self.raw_start and self.raw_start + self.raw_len <= b else None
 
 
 class ShardReader(StorageReader):
@@ -172,19 +216,29 @@ class ShardReader(StorageReader):
                 continue
             needs.setdefault(int(need.tensor.file[need.chunk]), []).append(need)
 
+        # Runs of different files take turns, so that each file tends to be read by one thread
+        # at a time, front to back: the kernel's readahead follows one sequential reader per
+        # file, not several interleaved ones.
+        per_file = [[(fid, run) for run in self._runs(self._frames(file_needs))] for fid, file_needs in needs.items()]
+        tasks = [task for turn in itertools.zip_longest(*per_file) for task in turn if task is not None]
         lock = threading.Lock()
-        tasks = []
-        for file_id, file_needs in needs.items():
-            for group in self._merge(file_needs):
-                tasks.append((file_id, group))
-        with ThreadPoolExecutor(self.options.threads, "shardstore-read") as pool:
-            futures = [pool.submit(self._read_range, fid, group, planner, lock) for fid, group in tasks]
-            errors = []
-            for f in futures:
-                try:
-                    f.result()
-                except Exception as e:  # let every range finish, then raise the first failure
-                    errors.append(e)
+        files: dict[int, FileReader] = {}  # opened by the first run that reads the file
+        errors: list[BaseException] = []
+        try:
+            if len(tasks) <= 1 or self.options.threads == 1:
+                for fid, run in tasks:
+                    self._read_run(fid, run, planner, lock, files)
+            else:
+                with ThreadPoolExecutor(min(self.options.threads, len(tasks)), "shardstore-read") as pool:
+                    futures = [pool.submit(self._read_run, fid, run, planner, lock, files) for fid, run in tasks]
+                    for f in futures:
+                        try:
+                            f.result()
+                        except Exception as e:  # let every read finish, then raise the first failure
+                            errors.append(e)
+        finally:
+            for reader in files.values():
+                reader.close()
         if errors:
             raise errors[0]
         seconds = time.perf_counter() - t0
@@ -211,29 +265,53 @@ class ShardReader(StorageReader):
         strides = _row_major_strides(sizes)
         first = sum(o * s for o, s in zip(item.storage_offsets, strides))
         last = sum((o + n - 1) * s for o, n, s in zip(item.storage_offsets, lengths, strides))
-        itemsize = t.itemsize
+        itemsize = t.dtype.itemsize
         a, b = first * itemsize, (last + 1) * itemsize
         fs = self.index.frame_size
         base = int(t.frame_start[c])
         g0, g1 = base + a // fs, base + (b - 1) // fs + 1
-        fp = t.frame_pos
-        return _Need(item, fqn, t, c, (a, b), g0, g1, int(fp[g0]), int(fp[g1 - 1] + t.frame_len[g1 - 1]))
+        return _Need(item, fqn, t, c, (a, b), g0, g1)
 
-    def _merge(self, needs: list[_Need]) -> list[list[_Need]]:
-        """Sort by file position; group needs whose byte ranges touch, up to ``max_range``."""
-        needs.sort(key=lambda n: n.start)
-        groups: list[list[_Need]] = []
-        start = end = -1
+    def _frames(self, needs: list[_Need]) -> list[_Frame]:
+        """The frames ``needs`` (of one file) use, each once, sorted by file position."""
+        fs = self.index.frame_size
+        frames: dict[tuple[str, int], _Frame] = {}
         for n in needs:
-            if groups and n.start <= end + MERGE_GAP and (max(end, n.end) - start) <= self.options.max_range:
-                groups[-1].append(n)
-                end = max(end, n.end)
-            else:
-                groups.append([n])
-                start, end = n.start, n.end
-        return groups
+            t, g0, g1 = n.tensor, n.g0, n.g1
+            base = int(t.frame_start[n.chunk])
+            record_raw = math.prod(t.sizes[n.chunk].tolist()) * t.dtype.itemsize
+            # One numpy -> list conversion per need: per-frame numpy scalar indexing is slow.
+            pos = t.frame_pos[g0:g1].tolist()
+            lens = t.frame_len[g0:g1].tolist()
+            codecs = t.frame_codec[g0:g1].tolist()
+            digests = t.frame_hash[g0:g1].tobytes()
+            n.pending = g1 - g0
+            for i in range(g1 - g0):
+                f = frames.get((n.fqn, g0 + i))
+                if f is None:
+                    raw_start = (g0 + i - base) * fs
+                    f = frames[(n.fqn, g0 + i)] = _Frame(
+                        n.fqn, raw_start, min(fs, record_raw - raw_start), pos[i], lens[i], codecs[i],
+                        digests[HASH_SIZE * i : HASH_SIZE * (i + 1)],
+                    )
+                f.users.append(n)
+        return sorted(frames.values(), key=lambda f: f.pos)
 
-    # -- reading one merged range ---------------------------------------------------------
+    def _runs(self, frames: list[_Frame]) -> list[list[_Frame]]:
+        """Cut sorted frames into reads: adjacent frames (up to ``MERGE_GAP`` apart) together,
+        at most ``max_range`` bytes each (one frame larger than that is read alone)."""
+        runs: list[list[_Frame]] = []
+        start = end = -1
+        for f in frames:
+            if runs and f.pos <= end + MERGE_GAP and f.pos + f.length - start <= self.options.max_range:
+                runs[-1].append(f)
+            else:
+                runs.append([f])
+                start = f.pos
+            end = f.pos + f.length
+        return runs
+
+    # -- reading one run of frames --------------------------------------------------------
 
     def open_file(self, entry: FileEntry) -> tuple[Backend, str]:
         """The backend and path holding a data file, following incremental references."""
@@ -244,89 +322,169 @@ class ShardReader(StorageReader):
             backend = self._siblings[entry.base] = open_backend(sibling_url(self.path, entry.base), self.storage_options)
         return backend, entry.path
 
-    def _read_range(self, file_id: int, group: list[_Need], planner: LoadPlanner, lock: threading.Lock) -> None:
+    def _resolve(self, need: _Need, planner: LoadPlanner) -> None:
+        """Resolve the need's target and choose where its span's bytes land (under the lock)."""
+        target = planner.resolve_tensor(need.item).detach()
+        if tuple(target.shape) != tuple(need.item.lengths):
+            raise StateMismatchError(
+                f"{need.fqn!r}: target has shape {tuple(target.shape)}, read item has {tuple(need.item.lengths)}"
+            )
+        need.target = target
+        a, b = need.span
+        mem = _target_bytes(target, need.tensor.dtype, b - a)
+        need.in_place = mem is not None
+        need.dest = mem if mem is not None else memoryview(np.empty(b - a, dtype=np.uint8))
+
+    def _read_run(
+        self, file_id: int, frames: list[_Frame], planner: LoadPlanner, lock: threading.Lock,
+        files: dict[int, FileReader],
+    ) -> None:
+        """Read one run of frames of a data file, verify them, put them in place, commit the
+        read items whose last frame this was."""
         entry = self.index.files[file_id]
-        backend, path = self.open_file(entry)
-        shown = path if entry.base is None else f"../{entry.base}/{path}"  # for messages
-        start = group[0].start
-        end = max(n.end for n in group)
+        shown = entry.path if entry.base is None else f"../{entry.base}/{entry.path}"  # for messages
+        with lock:
+            for f in frames:
+                for n in f.users:
+                    if n.target is None:
+                        self._resolve(n, planner)
+            file = files.get(file_id)
+            if file is None:
+                backend, path = self.open_file(entry)
+                try:
+                    file = files[file_id] = backend.open_reader(path)
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(
+                        f"data file {shown} of checkpoint {self.backend.url} is missing (needed for {frames[0].fqn!r})"
+                    ) from None
+
+        direct = [f.direct() for f in frames]
+        buffers, landed = _layout(frames, direct)
+        start, end = frames[0].pos, frames[-1].pos + frames[-1].length
         try:
-            (buf,) = backend.read_ranges(path, [(start, end - start)])
+            file.read_into(start, buffers)
         except FileNotFoundError:
             raise CorruptCheckpointError(
-                f"data file {shown} of checkpoint {self.backend.url} is missing (needed for {group[0].fqn!r})"
+                f"data file {shown} of checkpoint {self.backend.url} is missing (needed for {frames[0].fqn!r})"
             ) from None
         except TruncatedFileError as e:
             raise TruncatedFileError(
-                f"data file {shown} of checkpoint {self.backend.url} is truncated (needed for {group[0].fqn!r}): {e}"
+                f"data file {shown} of checkpoint {self.backend.url} is truncated (needed for {frames[0].fqn!r}): {e}"
             ) from None
-        buf = memoryview(buf)
         with lock:
-            self.bytes_read += buf.nbytes
-        decoded: dict[tuple[str, int], memoryview | bytes] = {}
-        for need in group:
-            src = self._source(need, buf, start, shown, decoded)
-            with lock:
-                target = planner.resolve_tensor(need.item).detach()
-            if tuple(target.shape) != tuple(need.item.lengths):
-                raise StateMismatchError(
-                    f"{need.fqn!r}: target has shape {tuple(target.shape)}, read item has {tuple(need.item.lengths)}"
-                )
-            target.copy_(src)
-            with lock:
-                planner.commit_tensor(need.item, target)
+            self.bytes_read += end - start
 
-    def _source(
-        self, need: _Need, buf: memoryview, start: int, path: str, decoded: dict[tuple[str, int], memoryview | bytes]
-    ) -> torch.Tensor:
-        """A tensor view of the read item's sub-box, from verified, decoded frames."""
-        t, fs = need.tensor, self.index.frame_size
-        fp = t.frame_pos
-        record_raw = t.raw_nbytes(need.chunk)
-        base = int(t.frame_start[need.chunk])
-        pieces = []
-        for g in range(need.g0, need.g1):
-            raw = decoded.get((need.fqn, g))
-            if raw is None:
-                lo = int(fp[g]) - start
-                stored = buf[lo : lo + int(t.frame_len[g])]
-                k = g - base
-                raw_len = min(fs, record_raw - k * fs)
-                byte_range = f"bytes [{int(fp[g])}, {int(fp[g]) + int(t.frame_len[g])})"
-                try:
-                    raw = decode_frame(stored, int(t.frame_codec[g]), raw_len)
-                except CorruptCheckpointError as e:
-                    raise CorruptCheckpointError(
-                        f"checkpoint {self.backend.url}, file {path}, tensor {need.fqn!r}, {byte_range}: {e} "
-                        "(checksum cannot be verified)"
-                    ) from None
-                if self.options.verify and frame_hash(raw) != t.frame_hash[g].tobytes():
-                    raise CorruptCheckpointError(
-                        f"checksum mismatch in checkpoint {self.backend.url}, file {path}, tensor {need.fqn!r}, {byte_range}"
-                    )
-                decoded[(need.fqn, g)] = raw
-            pieces.append(raw)
-        a, b = need.span
-        skip = a - (need.g0 - base) * fs
-        all_raw = all(t.frame_codec[g] == Codec.RAW for g in range(need.g0, need.g1))
-        if len(pieces) == 1 or all_raw:
-            # Raw frames lie back to back in the file: view the span in place, no copy.
-            lo = int(fp[need.g0]) - start + skip if all_raw else 0
-            span = buf[lo : lo + (b - a)] if all_raw else memoryview(pieces[0])[skip : skip + (b - a)]
+        for f, d, stored in zip(frames, direct, landed):
+            self._verify(f, stored if d is not None else self._decode(f, stored, shown), shown, scatter=d is None)
+
+        done = []
+        with lock:
+            for f in frames:
+                for n in f.users:
+                    n.pending -= 1
+                    if n.pending == 0:
+                        done.append(n)
+        for n in done:
+            assert n.target is not None and n.dest is not None
+            if not n.in_place:
+                n.target.copy_(_staged(n))  # casts to the target's dtype, device and layout
+            n.dest = None  # drop the staging buffer
+            with lock:
+                planner.commit_tensor(n.item, n.target)
+
+    def _decode(self, f: _Frame, stored: memoryview, path: str) -> memoryview | bytes:
+        try:
+            return decode_frame(stored, f.codec, f.raw_len)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(
+                f"checkpoint {self.backend.url}, file {path}, tensor {f.fqn!r}, bytes [{f.pos}, {f.pos + f.length}): "
+                f"{e} (checksum cannot be verified)"
+            ) from None
+
+    def _verify(self, f: _Frame, raw: memoryview | bytes, path: str, *, scatter: bool) -> None:
+        """Check a frame's raw bytes against its checksum; with ``scatter``, copy the part each
+        user needs into its ``dest`` (the frame was read into scratch)."""
+        if self.options.verify and frame_hash(raw) != f.digest:
+            raise CorruptCheckpointError(
+                f"checksum mismatch in checkpoint {self.backend.url}, file {path}, tensor {f.fqn!r}, "
+                f"bytes [{f.pos}, {f.pos + f.length})"
+            )
+        if scatter:
+            raw = memoryview(raw).cast("B")
+            for n in f.users:
+                assert n.dest is not None
+                a, b = n.span
+                lo, hi = max(a, f.raw_start), min(b, f.raw_start + f.raw_len)
+                n.dest[lo - a : hi - a] = raw[lo - f.raw_start : hi - f.raw_start]
+
+
+def _layout(frames: list[_Frame], direct: list[_Need | None]) -> tuple[list[memoryview], list[memoryview]]:
+    """Where a run's bytes go: the buffers of its scatter read, and each frame's stored bytes.
+
+    A frame whose ``direct`` need is set lands in that need's ``dest`` (the target's memory or
+    its staging buffer) at the frame's place in the span; the others, and the padding between
+    records, land in one scratch buffer. Adjacent pieces of one buffer make one read buffer.
+    """
+    start, end = frames[0].pos, frames[-1].pos + frames[-1].length
+    scratch_len = (end - start) - sum(f.length for f, d in zip(frames, direct) if d is not None)
+    scratch = memoryview(np.empty(scratch_len, dtype=np.uint8))
+    pieces: list[list[Any]] = []  # [buffer, lo, hi]
+    landed: list[memoryview] = []
+    s, cursor = 0, start
+
+    def put(buf: memoryview, lo: int, hi: int) -> None:
+        if pieces and pieces[-1][0] is buf and pieces[-1][2] == lo:
+            pieces[-1][2] = hi
         else:
-            joined = bytearray(b - a)
-            pos = 0
-            for i, p in enumerate(pieces):
-                p = memoryview(p)[skip if i == 0 else 0 :]
-                take = min(p.nbytes, len(joined) - pos)
-                joined[pos : pos + take] = p[:take]
-                pos += take
-            span = memoryview(joined)
-        flat = torch.frombuffer(span, dtype=t.dtype)
-        sizes = t.sizes[need.chunk].tolist()
-        strides = _row_major_strides(sizes)
-        first = sum(o * s for o, s in zip(need.item.storage_offsets, strides))
-        return flat.as_strided(list(need.item.lengths), strides, first - a // t.itemsize)
+            pieces.append([buf, lo, hi])
+
+    for f, d in zip(frames, direct):
+        if f.pos > cursor:  # padding between records
+            put(scratch, s, s + f.pos - cursor)
+            s += f.pos - cursor
+        if d is not None:
+            assert d.dest is not None
+            lo = f.raw_start - d.span[0]
+            put(d.dest, lo, lo + f.length)
+            landed.append(d.dest[lo : lo + f.length])
+        else:
+            put(scratch, s, s + f.length)
+            landed.append(scratch[s : s + f.length])
+            s += f.length
+        cursor = f.pos + f.length
+    return [buf[lo:hi] for buf, lo, hi in pieces], landed
+
+
+def _target_bytes(target: torch.Tensor, dtype: torch.dtype, nbytes: int) -> memoryview | None:
+    """The target's memory as writable bytes, if the span's stored bytes are its bytes as they are.
+
+    That needs a plain contiguous CPU tensor of the stored dtype whose size is the span's (a
+    sub-box that is not one contiguous span of the chunk covers more bytes than it holds).
+    """
+    if (
+        type(target) is not torch.Tensor
+        or target.dtype != dtype
+        or target.device.type != "cpu"
+        or target.layout != torch.strided
+        or not target.is_contiguous()
+        or target.is_conj()
+        or target.is_neg()
+        or target.numel() * target.element_size() != nbytes
+    ):
+        return None
+    return memoryview(target.reshape(-1).view(torch.uint8).numpy())
+
+
+def _staged(need: _Need) -> torch.Tensor:
+    """A tensor view of the read item's sub-box inside the need's staging buffer."""
+    assert need.dest is not None
+    t = need.tensor
+    a, _ = need.span
+    sizes = t.sizes[need.chunk].tolist()
+    strides = _row_major_strides(sizes)
+    first = sum(o * s for o, s in zip(need.item.storage_offsets, strides))
+    flat = torch.frombuffer(need.dest, dtype=t.dtype)
+    return flat.as_strided(list(need.item.lengths), strides, first - a // t.dtype.itemsize)
 
 
 def _row_major_strides(sizes: list[int]) -> list[int]:

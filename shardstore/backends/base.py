@@ -8,7 +8,9 @@ leave that root.
 The interface is deliberately small:
 
 * :meth:`Backend.open_writer` streams one data file (each rank writes its own files);
-* :meth:`Backend.read_ranges` reads byte ranges of one file;
+* :meth:`Backend.read_ranges` reads byte ranges of one file, and :meth:`Backend.open_reader`
+  opens one for a load's scatter reads straight into caller memory (frames land in the target
+  tensors);
 * :meth:`Backend.publish` atomically writes one small object (the index: the commit record);
 * :meth:`Backend.read_small`, :meth:`Backend.size`, :meth:`Backend.list`, :meth:`Backend.delete`
   and :meth:`Backend.exists` for inspection and cleanup.
@@ -20,7 +22,7 @@ import abc
 import posixpath
 from collections.abc import Sequence
 
-from shardstore.errors import InvalidCheckpointError
+from shardstore.errors import InvalidCheckpointError, TruncatedFileError
 
 
 def check_relpath(path: str) -> str:
@@ -69,6 +71,59 @@ class FileWriter(abc.ABC):
             self.abort()
 
 
+class FileReader(abc.ABC):
+    """A data file open for the positional reads of one load; safe to share between threads."""
+
+    @abc.abstractmethod
+    def read_into(self, start: int, buffers: Sequence[memoryview]) -> None:
+        """Read consecutive bytes from ``start`` into ``buffers``, in order (a scatter read).
+
+        The first ``buffers[0].nbytes`` bytes go to ``buffers[0]``, the next ones to
+        ``buffers[1]``, and so on. Buffers are writable, C-contiguous byte views (format ``B``).
+
+        Raises:
+            TruncatedFileError: the file ends before the last buffer is full.
+        """
+
+    def close(self) -> None:
+        """Release the file."""
+
+    def __enter__(self) -> FileReader:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+
+class RangeFileReader(FileReader):
+    """Scatter reads for stores that can only hand out new byte objects (fsspec, S3).
+
+    Each :meth:`read_into` reads its whole range with :meth:`Backend.read_ranges` and copies it
+    into the buffers: one more pass over the bytes than a backend that reads into the buffers
+    itself (POSIX: ``preadv``), which is the price of the store's interface, not a fallback.
+    """
+
+    def __init__(self, backend: Backend, path: str) -> None:
+        self.backend = backend
+        self.path = path
+
+    def read_into(self, start: int, buffers: Sequence[memoryview]) -> None:
+        total = sum(b.nbytes for b in buffers)
+        if not total:
+            return
+        (data,) = self.backend.read_ranges(self.path, [(start, total)])
+        view = memoryview(data).cast("B")
+        if view.nbytes != total:
+            raise TruncatedFileError(
+                f"{self.backend.url}/{self.path} is truncated: wanted bytes [{start}, {start + total}), "
+                f"got {view.nbytes}"
+            )
+        pos = 0
+        for b in buffers:
+            b[:] = view[pos : pos + b.nbytes]
+            pos += b.nbytes
+
+
 class Backend(abc.ABC):
     """Byte storage rooted at one directory / prefix. Paths are ``/``-separated and relative."""
 
@@ -82,6 +137,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | memoryview]:
         """Read ``(start, length)`` ranges of ``path``; a short read raises ``TruncatedFileError``."""
+
+    def open_reader(self, path: str) -> FileReader:
+        """Open ``path`` for the positional reads of one load (shared by its threads).
+
+        The default reads through :meth:`read_ranges` (see :class:`RangeFileReader`); backends
+        that can read into caller memory override it (POSIX).
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist (where the store can tell at open).
+        """
+        return RangeFileReader(self, path)
 
     @abc.abstractmethod
     def read_small(self, path: str) -> bytes:
