@@ -26,8 +26,9 @@ The contract of a benchmark module ``benchmarks/bench_<name>.py``:
   costs more than a whole smoke run) so that it finishes in a few seconds: the test
   ``tests/test_benchmarks_smoke.py`` calls every ``bench_*.run(quick=True)`` this way, all of them
   together within about 40 s. Pick sizes with :func:`sized`, which honours it.
-* Do not import from ``tests/``. Multi-rank work goes through :func:`run_ranks`; the function it
-  runs must be defined at module level in the benchmark module.
+* Do not import from ``tests/``. Multi-rank work goes through :func:`run_ranks`
+  (:mod:`shardstore.testing`, re-exported here); the function it runs must be defined at module
+  level in the benchmark module.
 * Scratch data goes under :func:`bench_dir` (``$SHARDSTORE_BENCH_DIR`` or the system temp dir).
 
 Units: rates are decimal GB/s (1e9 bytes per second), as ``dd`` prints them; sizes are binary
@@ -36,31 +37,25 @@ Units: rates are decimal GB/s (1e9 bytes per second), as ``dd`` prints them; siz
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import math
-import multiprocessing as mp
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
-import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
-from datetime import timedelta
 from typing import Any
+
+from shardstore.testing import run_ranks, shutdown_ranks  # the rank pool, for every bench module
 
 logger = logging.getLogger(__name__)
 
 SMOKE_ENV = "SHARDSTORE_BENCH_SMOKE"
 DIR_ENV = "SHARDSTORE_BENCH_DIR"
-MAX_RANKS = 8
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -539,139 +534,6 @@ def state_bytes(state: dict[str, Any]) -> int:
 
 
 # --------------------------------------------------------------------------- ranks
-
-
-def _worker(conn: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            return
-        fn, args, kwargs, rank, world_size, port = msg
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world_size)))
-        try:
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=600),
-            )
-            conn.send(("ok", fn(*args, **kwargs)))
-        except BaseException:  # report everything to the driver, keep the worker alive
-            conn.send(("error", traceback.format_exc()))
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-
-class _RankPool:
-    """Up to ``MAX_RANKS`` spawned worker processes that form gloo groups of any size."""
-
-    def __init__(self) -> None:
-        self._ctx = mp.get_context("spawn")
-        self._workers: list[tuple[Any, Any]] = []
-        self._lock = threading.Lock()
-
-    def _ensure(self, n: int) -> None:
-        while len(self._workers) < n:
-            parent, child = self._ctx.Pipe()
-            proc = self._ctx.Process(target=_worker, args=(child,), daemon=True)
-            proc.start()
-            self._workers.append((proc, parent))
-
-    def shutdown(self) -> None:
-        for _, conn in self._workers:
-            with contextlib.suppress(BrokenPipeError, OSError):
-                conn.send(None)
-        deadline = time.monotonic() + 3
-        for proc, _ in self._workers:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=1)
-        self._workers = []
-
-    def run(self, world_size: int, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
-        if not 1 <= world_size <= MAX_RANKS:
-            raise ValueError(f"world_size must be in 1..{MAX_RANKS}, got {world_size}")
-        with self._lock:
-            self._ensure(world_size)
-            port = _free_port()
-            workers = self._workers[:world_size]
-            for rank, (_, conn) in enumerate(workers):
-                conn.send((fn, args, kwargs, rank, world_size, port))
-            results, errors = [], []
-            for rank, (_, conn) in enumerate(workers):
-                if not conn.poll(timeout):
-                    self.shutdown()
-                    raise TimeoutError(f"rank {rank} did not finish {fn.__name__} within {timeout} s")
-                try:
-                    status, value = conn.recv()
-                except (EOFError, OSError) as e:
-                    self.shutdown()
-                    raise RuntimeError(
-                        f"rank {rank} worker process died while running {fn.__name__} ({e!r}); a script that "
-                        "calls run_ranks needs an `if __name__ == '__main__':` guard"
-                    ) from None
-                if status == "ok":
-                    results.append(value)
-                else:
-                    errors.append(f"--- rank {rank} ---\n{value}")
-            if errors:
-                raise RuntimeError(f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
-            return results
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_pool: _RankPool | None = None
-
-
-def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 1800, **kwargs: Any) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the results by rank.
-
-    The ranks are long-lived spawned processes (importing torch costs seconds), reused across
-    calls; each call forms a fresh process group. ``fn`` must be a module-level function of an
-    importable module (a function of a module run with ``python -m`` works too). Each rank sets
-    torch's thread count to ``cpu_count // world_size``.
-
-    Raises:
-        RuntimeError: ``fn`` raised on some rank (the message holds every rank's traceback).
-        TimeoutError: A rank did not answer within ``timeout`` seconds (the pool is torn down).
-    """
-    global _pool
-    if _pool is None:
-        _pool = _RankPool()
-        atexit.register(shutdown_ranks)
-    return _pool.run(world_size, _importable(fn), args, kwargs, timeout)
-
-
-def shutdown_ranks() -> None:
-    """Stop the rank worker processes (they are also stopped at exit)."""
-    global _pool
-    if _pool is not None:
-        _pool.shutdown()
-        _pool = None
-
-
-def _importable(fn: Callable) -> Callable:
-    """``fn`` as its workers can unpickle it: a ``__main__`` function by its real module name."""
-    if fn.__module__ != "__main__":
-        return fn
-    spec = getattr(sys.modules["__main__"], "__spec__", None)
-    if spec is None or not spec.name:
-        return fn
-    import importlib
-
-    module = importlib.import_module(spec.name)
-    return getattr(module, fn.__qualname__)
 
 
 def collective_time(fn: Callable[[], Any]) -> tuple[float, Any]:

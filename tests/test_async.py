@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from dist import run_ranks
+from shardstore.testing import run_ranks
 from states import Net, assert_same_state
 from shardstore import ShardReader, ShardWriter
 from shardstore.async_save import AsyncSaveInProgressError, AsyncSaver, async_save, prepare

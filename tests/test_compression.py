@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dist import run_ranks
+from shardstore.testing import run_ranks
 from shardstore import ShardReader, ShardWriter
 from shardstore.codec import Codec, decode_frame, encode_frame, frame_hash
 from shardstore.reader import MERGE_GAP

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from dist import run_ranks
+from shardstore.testing import run_ranks
 from states import Net, assert_same_state
 from shardstore import CheckpointExistsError, ShardReader, ShardWriter
 from shardstore.config import INDEX_NAME

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from dist import run_ranks
+from shardstore.testing import run_ranks
 from shardstore import InvalidCheckpointError, ShardWriter
 from shardstore.export import decode_safetensors_header, encode_safetensors_header, export_checkpoint, parse_dtype
 from shardstore.inspect import iter_boxes

@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from dist import run_ranks
+from shardstore.testing import run_ranks
 from shardstore import CheckpointNotFoundError, InvalidCheckpointError, ShardReader
 from shardstore.importer import SafetensorsReader, import_safetensors, load_safetensors
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dist import run_ranks
+from shardstore.testing import run_ranks
 from shardstore import CorruptCheckpointError, ShardReader, ShardWriter
 from shardstore.errors import unwrap_error
 from shardstore.reader import load_index

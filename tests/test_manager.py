@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from dist import run_ranks
+from shardstore.testing import run_ranks
 from states import Net, assert_same_state
 from shardstore import StateMismatchError
 from shardstore.backends import open_backend

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dist import run_ranks
+from shardstore.testing import run_ranks
 from shardstore import ShardReader, ShardWriter, StorageError
 from shardstore.config import INDEX_NAME
 from shardstore.errors import unwrap_error
