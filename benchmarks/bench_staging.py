@@ -119,6 +119,10 @@ def run(quick: bool) -> dict[str, Any]:
             f"(pin_memory={pin}) + _copy_state_dict(non_blocking={pin}), what its stager does for dcp.async_save.",
             f"Limit: one flat {link} of the same bytes. Time ratios > 1: shardstore blocks for less time.",
             f"Medians over {reps} later calls and alternated rounds; staged copies are checked against the state.",
+            "First call on a GPU: DCP's pinned tensors come from CUDA's caching host allocator "
+            "(Tensor.pin_memory()), which keeps freed pinned blocks, so its first calls after the first round "
+            "reuse memory pinned earlier in this process; shardstore registers a fresh arena each round "
+            "(cudaHostRegister, no power-of-two rounding) and unpins it on release.",
         ],
         "summary": [[f"staging {fmt_bytes(nbytes)} ({device}), later calls", rows[1][1], rows[1][3], rows[1][5]]],
     }
