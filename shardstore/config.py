@@ -79,7 +79,10 @@ class ReadOptions:
             tensors, so beyond them a load holds at most ``threads * max_range`` bytes of
             scratch, plus a staging copy of the read items being cast or scattered into
             non-contiguous targets. Small runs stay in the CPU cache between the read and the
-            checksum (4 MiB loaded 1 GiB 1.6-2.6x faster than 64 MiB here).
+            checksum (4 MiB loaded 1 GiB 1.6-2.6x faster than 64 MiB here). A store that wants
+            larger requests raises it for its files (``Backend.read_size``; S3: ``part_size``
+            x ``max_concurrency``, 128 MiB by default); such stores read into new buffers, so
+            a load from S3 holds up to ``threads`` x that much.
         verify: check every frame's checksum (on by default; off only for benchmarks).
     """
 

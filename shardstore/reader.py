@@ -12,8 +12,8 @@ DCP calls a storage reader in this order (``torch.distributed.checkpoint.load``)
 Resharding is DCP's: its load planner turns the index's chunk list into ``ReadItem``s (which
 stored chunk, which sub-box of it, where it lands). ``read_data`` maps each sub-box to the byte
 span of the chunk that holds it and to the frames covering that span. The frames of one file are
-sorted and cut into runs of at most ``max_range`` bytes (adjacent frames, and the few padding
-bytes between records, are read together); several threads read the runs, the files of a rank
+sorted and cut into runs of at most ``max_range`` bytes, or the store's ``read_size`` where that
+is larger (adjacent frames, and the few padding bytes between records, are read together); several threads read the runs, the files of a rank
 taking turns so that each file is read front to back by about one thread at a time. A load opens
 each data file once and shares it between its threads, so the kernel's readahead follows it.
 
@@ -219,7 +219,10 @@ class ShardReader(StorageReader):
         # Runs of different files take turns, so that each file tends to be read by one thread
         # at a time, front to back: the kernel's readahead follows one sequential reader per
         # file, not several interleaved ones.
-        per_file = [[(fid, run) for run in self._runs(self._frames(file_needs))] for fid, file_needs in needs.items()]
+        per_file = [
+            [(fid, run) for run in self._runs(self._frames(file_needs), self._run_limit(fid))]
+            for fid, file_needs in needs.items()
+        ]
         tasks = [task for turn in itertools.zip_longest(*per_file) for task in turn if task is not None]
         lock = threading.Lock()
         files: dict[int, FileReader] = {}  # opened by the first run that reads the file
@@ -297,13 +300,18 @@ class ShardReader(StorageReader):
                 f.users.append(n)
         return sorted(frames.values(), key=lambda f: f.pos)
 
-    def _runs(self, frames: list[_Frame]) -> list[list[_Frame]]:
+    def _run_limit(self, file_id: int) -> int:
+        """Bytes per read of a data file: ``max_range``, or more where its store wants it."""
+        backend, _ = self.open_file(self.index.files[file_id])
+        return max(self.options.max_range, backend.read_size or 0)
+
+    def _runs(self, frames: list[_Frame], limit: int) -> list[list[_Frame]]:
         """Cut sorted frames into reads: adjacent frames (up to ``MERGE_GAP`` apart) together,
-        at most ``max_range`` bytes each (one frame larger than that is read alone)."""
+        at most ``limit`` bytes each (one frame larger than that is read alone)."""
         runs: list[list[_Frame]] = []
         start = end = -1
         for f in frames:
-            if runs and f.pos <= end + MERGE_GAP and f.pos + f.length - start <= self.options.max_range:
+            if runs and f.pos <= end + MERGE_GAP and f.pos + f.length - start <= limit:
                 runs[-1].append(f)
             else:
                 runs.append([f])

@@ -344,3 +344,36 @@ def test_missing_and_short_data_files_are_named(ckpt):
     os.unlink(path)
     with pytest.raises(CorruptCheckpointError, match=f"data file {name} of checkpoint {re.escape(ckpt)} is missing"):
         _load_boxes(ShardReader(ckpt), [("fp32", (0, 0), (ROWS, COLS))], [torch.zeros(ROWS, COLS)])
+
+
+class _LargeReads(PosixBackend):
+    """Local files read like an object store: through ``read_ranges``, which records each read,
+    with ``read_size`` as the store's preferred read."""
+
+    def __init__(self, root: str, read_size: int | None) -> None:
+        super().__init__(root, sync=False)
+        self.read_size = read_size
+        self.reads: list[int] = []
+
+    def open_reader(self, path: str) -> FileReader:
+        return RangeFileReader(self, path)
+
+    def read_ranges(self, path, ranges):
+        self.reads.extend(length for _, length in ranges)
+        return super().read_ranges(path, ranges)
+
+
+def test_a_store_that_wants_large_reads_gets_runs_of_its_read_size(tmp_path):
+    # 4 tensors of 100 x 56 fp32 (21.9 KiB each, 6 frames) in one file: with max_range of one
+    # frame every frame is its own read, unless the store asks for more.
+    state = {f"t{i}": torch.randn(ROWS, COLS) for i in range(4)}
+    path = _save(str(tmp_path / "c"), state=state)
+    for read_size, most_reads in ((None, None), (64 << 10, 2)):
+        store = _LargeReads(path, read_size)
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(target, storage_reader=ShardReader(store, max_range=FRAME), no_dist=True)
+        assert all(torch.equal(target[k], state[k]) for k in state)
+        if most_reads is None:
+            assert max(store.reads) <= FRAME and len(store.reads) >= 4 * 6, store.reads
+        else:
+            assert len(store.reads) <= most_reads and max(store.reads) > FRAME, store.reads

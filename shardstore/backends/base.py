@@ -130,6 +130,12 @@ class Backend(abc.ABC):
     #: URL or path of the root, for error messages.
     url: str
 
+    #: Bytes one read call should fetch for this store to be efficient, or ``None`` for no
+    #: preference. A load cuts its runs of frames at ``max(ReadOptions.max_range, read_size)``:
+    #: an object store wants few large, internally parallel requests (S3: ``part_size`` x
+    #: ``max_concurrency``), a local disk small runs that stay in the CPU cache.
+    read_size: int | None = None
+
     @abc.abstractmethod
     def open_writer(self, path: str) -> FileWriter:
         """Start writing ``path`` (replacing any file of that name once closed)."""

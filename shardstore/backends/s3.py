@@ -376,6 +376,11 @@ class S3Backend(Backend):
                             "max_concurrency": max_concurrency,
                             "key_prefix_spread": key_prefix_spread, "retry": retry})
 
+    @property
+    def read_size(self) -> int:
+        """One read call fetches up to ``max_concurrency`` ranged GETs of ``part_size`` at once."""
+        return self.part_size * self.max_concurrency
+
     def __reduce__(self) -> tuple:
         """Pickle as the constructor's arguments (a new process gets its own client)."""
         return _restore, (self._args, self._root, self.url)
