@@ -63,7 +63,7 @@ def run(quick: bool) -> dict[str, Any]:
     host.copy_(flat, non_blocking=pin)  # first touch
     _sync(device)
     limit = median([_time(lambda: host.copy_(flat, non_blocking=pin), device) for _ in range(reps)])
-    del flat, host
+    flat = host = None  # free both before the state is staged
 
     ours: dict[str, list[float]] = {"first": [], "steady": []}
     theirs: dict[str, list[float]] = {"first": [], "steady": []}
@@ -94,7 +94,7 @@ def run(quick: bool) -> dict[str, Any]:
         cpu = box.pop()
         theirs["steady"].append(median([_time(lambda: _copy_state_dict(state, cpu, non_blocking=pin), device)
                                         for _ in range(reps)]))
-        del cpu
+        cpu = None  # drop the copy before the next round
 
     for i in range(sized(quick, full=3, quick_size=2, smoke=1)):
         for fn in (shardstore_round, dcp_round) if i % 2 == 0 else (dcp_round, shardstore_round):

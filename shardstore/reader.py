@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import threading
 import time
@@ -282,7 +281,7 @@ class ShardReader(StorageReader):
         for n in needs:
             t, g0, g1 = n.tensor, n.g0, n.g1
             base = int(t.frame_start[n.chunk])
-            record_raw = math.prod(t.sizes[n.chunk].tolist()) * t.dtype.itemsize
+            record_raw = t.raw_nbytes(n.chunk)
             # One numpy -> list conversion per need: per-frame numpy scalar indexing is slow.
             pos = t.frame_pos[g0:g1].tolist()
             lens = t.frame_len[g0:g1].tolist()

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 import shardstore.backends.posix as posix
@@ -32,6 +32,7 @@ from shardstore.backends.base import FileReader, RangeFileReader
 from shardstore.backends.posix import PosixBackend
 from shardstore.codec import Codec
 from shardstore.errors import unwrap_error
+from shardstore.inspect import _BoxPlanner
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -86,40 +87,19 @@ def _bytes_inside(buffers: list[tuple[int, int]], t: torch.Tensor) -> int:
     return sum(n for addr, n in buffers if lo <= addr and addr + n <= hi)
 
 
-class _BoxPlanner(LoadPlanner):
-    """Resolves read items into given targets (``dest_index.index`` picks the target)."""
+class _CommitLog(_BoxPlanner):
+    """shardstore's box planner (``dest_index.index`` picks the target), recording the commits."""
 
     def __init__(self, targets: list[torch.Tensor]) -> None:
-        self.targets = targets
+        super().__init__(targets)
         self.committed: list[ReadItem] = []
-
-    def set_up_planner(self, *args, **kwargs):
-        raise NotImplementedError
-
-    def create_local_plan(self):
-        raise NotImplementedError
-
-    def create_global_plan(self, plans):
-        raise NotImplementedError
-
-    def finish_plan(self, plan):
-        raise NotImplementedError
-
-    def load_bytes(self, read_item, value):
-        raise NotImplementedError
-
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        t = self.targets[read_item.dest_index.index]
-        for dim, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            t = t.narrow(dim, o, n)
-        return t
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         self.committed.append(read_item)
 
 
 def _load_boxes(reader: ShardReader, boxes: list[tuple[str, tuple[int, ...], tuple[int, ...]]],
-                targets: list[torch.Tensor]) -> _BoxPlanner:
+                targets: list[torch.Tensor]) -> _CommitLog:
     """Load sub-boxes ``(fqn, offsets, sizes)`` of stored tensors into ``targets`` (one each)."""
     md = reader.read_metadata().state_dict_metadata
     items = []
@@ -127,7 +107,7 @@ def _load_boxes(reader: ShardReader, boxes: list[tuple[str, tuple[int, ...], tup
         local = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
         for item in create_read_items_for_chunk_list(fqn, md[fqn], [local]):
             items.append(dataclasses.replace(item, dest_index=MetadataIndex(fqn, offsets, i)))
-    planner = _BoxPlanner(targets)
+    planner = _CommitLog(targets)
     reader.read_data(LoadPlan(items), planner).wait()
     assert len(planner.committed) == len(items)
     return planner

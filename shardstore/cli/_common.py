@@ -41,6 +41,17 @@ def add_storage_options(parser: argparse.ArgumentParser, *, flag: str = "--stora
     )
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (counts, thread numbers)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
 def mib(text: str) -> int:
     """An argparse type: a positive size in MiB, returned in bytes."""
     try:

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 
 from shardstore.backends import open_backend
-from shardstore.cli._common import add_output, add_storage_options, fail, print_json, root_problem
+from shardstore.cli._common import add_output, add_storage_options, fail, positive_int, print_json, root_problem
 from shardstore.config import INDEX_NAME
 from shardstore.manager import CheckpointManager, list_checkpoints
 
@@ -19,24 +19,14 @@ NAME = "gc"
 HELP = "delete steps beyond a retention policy and leftovers of crashed saves (dry run unless --yes)"
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("root", metavar="ROOT", help="manager root holding step-* checkpoints")
     parser.add_argument(
-        "--keep-last", type=_positive, default=None, metavar="N",
+        "--keep-last", type=positive_int, default=None, metavar="N",
         help="keep the N newest committed steps (default: keep every committed step; remove leftovers only)",
     )
     parser.add_argument(
-        "--keep-every", type=_positive, default=None, metavar="N",
+        "--keep-every", type=positive_int, default=None, metavar="N",
         help="with --keep-last, also keep every step divisible by N",
     )
     parser.add_argument("--yes", action="store_true", help="delete (without it, only list what would be deleted)")

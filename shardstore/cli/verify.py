@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardstore.cli._common import add_output, add_storage_options, human, print_json, progress
+from shardstore.cli._common import add_output, add_storage_options, human, positive_int, print_json, progress
 from shardstore.verify import VerifyReport, verify_checkpoint
 
 NAME = "verify"
@@ -21,19 +21,9 @@ HELP = "re-read every record of a checkpoint and check its checksums; exit 1 on 
 EXIT_DAMAGED = 1
 
 
-def _threads(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of threads: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or URL (s3://..., file://...)")
-    parser.add_argument("--threads", type=_threads, default=0, help="parallel reader threads (default: per CPU, 2-8)")
+    parser.add_argument("--threads", type=positive_int, default=0, help="parallel reader threads (default: per CPU, 2-8)")
     add_output(parser)
     add_storage_options(parser)
 
